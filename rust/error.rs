@@ -1,0 +1,39 @@
+//! The crate's error type. Every variant names the file (and tensor) it is about, because a
+//! user loading a 30-file checkpoint needs to know which file to look at.
+
+use std::path::PathBuf;
+
+use crate::format::FormatError;
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The file breaks the safetensors format.
+    #[error("{}: {source}", .path.display())]
+    Format { path: PathBuf, source: FormatError },
+    /// An operating-system call on the file failed.
+    #[error("{}: {op} failed: {source}", .path.display())]
+    Io { path: PathBuf, op: &'static str, source: std::io::Error },
+    /// The path is a directory, device or pipe rather than a regular file.
+    #[error("{}: not a regular file", .path.display())]
+    NotAFile { path: PathBuf },
+    /// The file ended before the bytes its header promises (it changed while being read).
+    #[error("{}: file ended at byte {at}, but its header says it holds {expected} bytes (was it truncated while loading?)", .path.display())]
+    Truncated { path: PathBuf, at: u64, expected: u64 },
+    /// Two files hold a tensor of the same name.
+    #[error("tensor '{name}' is in both {} and {}", .first.display(), .second.display())]
+    DuplicateTensor { name: String, first: PathBuf, second: PathBuf },
+    /// An option the loader does not know.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// A panic inside the loader, caught before it could cross the FFI boundary. Always a bug.
+    #[error("internal error (please report): {0}")]
+    Panic(String),
+}
+
+impl Error {
+    pub(crate) fn io(path: impl Into<PathBuf>, op: &'static str, source: std::io::Error) -> Error {
+        Error::Io { path: path.into(), op, source }
+    }
+}

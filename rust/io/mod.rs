@@ -1,0 +1,200 @@
+//! Reading files into host memory.
+//!
+//! Each file becomes one [`HostBuffer`] holding the whole file from offset 0, so a tensor's
+//! address is `buffer + file offset`. Two ways to fill it:
+//!
+//! - [`direct`]: parallel `pread`s with `O_DIRECT` into page-aligned anonymous memory (the
+//!   cold-file path: no page-cache copy), falling back to buffered reads where the
+//!   filesystem refuses `O_DIRECT`;
+//! - [`mmap`]: a private copy-on-write mapping of the file (the warm-file path: zero-copy,
+//!   tensors point straight at the page cache until written to).
+//!
+//! [`ReaderKind::Auto`] picks per file: mmap when the file's pages are already resident,
+//! direct otherwise.
+
+mod direct;
+mod mmap;
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::OnceLock;
+
+use memmap2::MmapMut;
+
+use crate::error::{Error, Result};
+use crate::format::{self, Header};
+
+/// Environment variable that picks the reader when the caller does not.
+pub const READER_ENV: &str = "FASTSAFETENSORS_READER";
+/// Environment variable that sets the number of I/O threads (read once, at first load).
+pub const THREADS_ENV: &str = "FASTSAFETENSORS_THREADS";
+/// I/O threads when not configured: enough requests in flight to keep an NVMe queue busy.
+const DEFAULT_THREADS: usize = 8;
+/// Fraction of a file's pages that must be resident for `Auto` to map it rather than read it.
+const RESIDENT_THRESHOLD: f64 = 0.9;
+
+/// The reader a caller asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReaderKind {
+    /// mmap if the file is resident in the page cache, direct reads otherwise.
+    #[default]
+    Auto,
+    Direct,
+    Mmap,
+}
+
+impl FromStr for ReaderKind {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(ReaderKind::Auto),
+            "direct" => Ok(ReaderKind::Direct),
+            "mmap" => Ok(ReaderKind::Mmap),
+            other => Err(Error::InvalidArgument(format!(
+                "unknown reader '{other}' (expected 'auto', 'direct' or 'mmap')"
+            ))),
+        }
+    }
+}
+
+impl ReaderKind {
+    /// `requested` if given, else `$FASTSAFETENSORS_READER`, else `Auto`.
+    pub fn resolve(requested: Option<&str>) -> Result<ReaderKind> {
+        match requested {
+            Some(name) => name.parse(),
+            None => match std::env::var(READER_ENV) {
+                Ok(name) if !name.is_empty() => name.parse().map_err(|e: Error| {
+                    Error::InvalidArgument(format!("{READER_ENV}: {e}"))
+                }),
+                _ => Ok(ReaderKind::Auto),
+            },
+        }
+    }
+}
+
+/// How a file's bytes actually arrived.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadPath {
+    Direct,
+    /// Direct reads that fell back to the page cache (no `O_DIRECT` on this filesystem).
+    Buffered,
+    Mmap,
+}
+
+impl ReadPath {
+    pub fn name(self) -> &'static str {
+        match self {
+            ReadPath::Direct => "direct",
+            ReadPath::Buffered => "buffered",
+            ReadPath::Mmap => "mmap",
+        }
+    }
+}
+
+/// A whole file in host memory: page-aligned, writable, released on drop.
+pub struct HostBuffer {
+    map: MmapMut,
+    path: ReadPath,
+}
+
+impl HostBuffer {
+    pub fn as_ptr(&self) -> *const u8 {
+        self.map.as_ptr()
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        &self.map
+    }
+
+    pub fn read_path(&self) -> ReadPath {
+        self.path
+    }
+}
+
+/// An open regular file and its size.
+pub struct SourceFile {
+    pub path: PathBuf,
+    pub file: File,
+    pub len: u64,
+}
+
+impl SourceFile {
+    pub fn open(path: &Path) -> Result<SourceFile> {
+        let file = File::open(path).map_err(|e| Error::io(path, "open", e))?;
+        let meta = file.metadata().map_err(|e| Error::io(path, "stat", e))?;
+        if !meta.is_file() {
+            return Err(Error::NotAFile { path: path.to_owned() });
+        }
+        Ok(SourceFile { path: path.to_owned(), file, len: meta.len() })
+    }
+
+    /// Reads and validates the header (two small reads; the data is not touched).
+    pub fn header(&self) -> Result<Header> {
+        let format_err = |source| Error::Format { path: self.path.clone(), source };
+        let mut prefix = [0u8; format::LEN_PREFIX as usize];
+        let got = self.read_at_most(&mut prefix, 0)?;
+        let len = format::header_len(&prefix[..got], self.len).map_err(format_err)?;
+        let mut json = vec![0u8; len as usize];
+        let got = self.read_at_most(&mut json, format::LEN_PREFIX)?;
+        if got < json.len() {
+            return Err(Error::Truncated {
+                path: self.path.clone(),
+                at: format::LEN_PREFIX + got as u64,
+                expected: self.len,
+            });
+        }
+        format::parse_header(&json, self.len).map_err(format_err)
+    }
+
+    fn read_at_most(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        let mut done = 0;
+        while done < buf.len() {
+            match self.file.read_at(&mut buf[done..], offset + done as u64) {
+                Ok(0) => break,
+                Ok(n) => done += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(Error::io(&self.path, "read", e)),
+            }
+        }
+        Ok(done)
+    }
+
+    /// Brings the whole file into host memory with the reader `kind` asks for.
+    pub fn read(&self, kind: ReaderKind, block: u64) -> Result<HostBuffer> {
+        let mapped = |map| HostBuffer { map, path: ReadPath::Mmap };
+        match kind {
+            ReaderKind::Mmap => Ok(mapped(mmap::map(self)?)),
+            ReaderKind::Direct => direct::read(self, block),
+            ReaderKind::Auto => {
+                let map = mmap::map(self)?;
+                if mmap::resident_fraction(&map) >= RESIDENT_THRESHOLD {
+                    Ok(mapped(map))
+                } else {
+                    drop(map);
+                    direct::read(self, block)
+                }
+            }
+        }
+    }
+}
+
+/// The pool that runs reads. Separate from rayon's global pool: I/O threads mostly wait,
+/// so there should be more of them than cores, and they must not starve compute work.
+pub(crate) fn io_pool() -> &'static rayon::ThreadPool {
+    static POOL: OnceLock<rayon::ThreadPool> = OnceLock::new();
+    POOL.get_or_init(|| {
+        let threads = std::env::var(THREADS_ENV)
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&n| n > 0)
+            .unwrap_or(DEFAULT_THREADS);
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("fastsafetensors-io-{i}"))
+            .build()
+            .expect("creating the I/O thread pool")
+    })
+}
