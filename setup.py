@@ -27,7 +27,7 @@ extension = CppExtension(
     name="fastsafetensors._C",
     sources=["csrc/ops.cpp"],
     include_dirs=[os.path.join(TARGET, "cxxbridge")],
-    extra_compile_args=["-O2"],
+    extra_compile_args=["-O2", "-fvisibility=hidden"],
     extra_objects=[STATICLIB],
     # Keep the Rust runtime's symbols private to this library.
     extra_link_args=["-Wl,--exclude-libs,ALL", "-lutil", "-lrt", "-lpthread", "-lm", "-ldl"],

@@ -277,7 +277,7 @@ def measure(loaders: list[str], files: list[Path], runs: int) -> tuple[Results, 
                 res = spawn("worker", loader, files)
                 samples[loader][mode].append(res)
                 shown = res.get("error") or f"{res['bytes'] / res['seconds'] / 1e9:.2f} GB/s"
-                print(f"  {mode} run {run + 1}/{runs} {loader:<12} {shown}", flush=True)
+                print(f"  {mode} run {run + 1}/{runs} {loader:<18} {shown}", flush=True)
     results: Results = {}
     for loader, by_mode in samples.items():
         for mode, runs_ in by_mode.items():
@@ -315,12 +315,12 @@ def report(results: Results, size_mb: float) -> list[str]:
     def gbps(loader: str, mode: str) -> float | None:
         return results.get(loader, {}).get(mode, {}).get("gbps")
 
-    print(f"\n{'loader':<14}{'cold GB/s':>10}{'warm GB/s':>10}{'peak RSS MB':>13}{'Δ MB':>8}")
+    print(f"\n{'loader':<18}{'cold GB/s':>10}{'warm GB/s':>10}{'peak RSS MB':>13}{'Δ MB':>8}")
     for loader, by_mode in results.items():
         rss = [m for m in by_mode.values() if "peak_mb" in m]
         peak = max((m["peak_mb"] for m in rss), default=None)
         delta = max((m["delta_mb"] for m in rss), default=None)
-        print(f"{loader:<14}{cell(gbps(loader, 'cold')):>10}{cell(gbps(loader, 'warm')):>10}"
+        print(f"{loader:<18}{cell(gbps(loader, 'cold')):>10}{cell(gbps(loader, 'warm')):>10}"
               f"{cell(peak, '{:.0f}'):>13}{cell(delta, '{:.0f}'):>8}")
     cold, warm = gbps("ours", "cold"), gbps("ours", "warm")
     vs_dd, vs_memcpy = ratio(cold, gbps(COLD_ONLY, "cold")), ratio(warm, gbps(WARM_ONLY, "warm"))
@@ -334,15 +334,15 @@ def report(results: Results, size_mb: float) -> list[str]:
     deltas = [m["delta_mb"] for m in results.get("ours", {}).values() if "delta_mb" in m]
     delta = max(deltas) if deltas else None
     rss_limit = 1.1 * size_mb + 200
-    checks = [("cold: ours >= 0.9x dd", vs_dd, 0.9 <= (vs_dd or 0), "x"),
-              ("cold: ours >= 2.5x safetensors", vs_st_cold, 2.5 <= (vs_st_cold or 0), "x"),
-              ("warm: ours >= 0.8x safetensors", vs_st_warm, 0.8 <= (vs_st_warm or 0), "x"),
+    checks = [("cold: ours >= 0.9x dd", vs_dd, 0.9 <= (vs_dd or 0), "{:.2f}x"),
+              ("cold: ours >= 2.5x safetensors", vs_st_cold, 2.5 <= (vs_st_cold or 0), "{:.2f}x"),
+              ("warm: ours >= 0.8x safetensors", vs_st_warm, 0.8 <= (vs_st_warm or 0), "{:.2f}x"),
               (f"RSS: ours peak - baseline <= 1.1 x size + 200 MB = {rss_limit:.0f} MB",
-               delta, (delta or 0) <= rss_limit, " MB")]
+               delta, (delta or 0) <= rss_limit, "{:.0f} MB")]
     lines = []
-    for label, value, ok, unit in checks:
+    for label, value, ok, fmt in checks:
         verdict = "SKIP" if value is None else "PASS" if ok else "MISS"
-        lines.append(f"[{verdict}] {label}  (measured: {cell(value) + unit if value else '-'})")
+        lines.append(f"[{verdict}] {label}  (measured: {cell(value, fmt)})")
     print("\ntargets:\n  " + "\n  ".join(lines))
     return lines
 

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <string>
@@ -134,8 +135,16 @@ rs::HeaderSpec header(const std::string& file) {
   return call_rust([&] { return rs::read_header(file); });
 }
 
-// Tensor names, dtypes and shapes, in offset order, without reading any data.
-std::tuple<std::vector<std::string>, std::vector<std::string>, std::vector<std::vector<int64_t>>>
+std::optional<c10::Dict<std::string, std::string>> metadata_of(const rs::HeaderSpec& h) {
+  if (!h.has_metadata) return std::nullopt;
+  c10::Dict<std::string, std::string> out;
+  for (const auto& e : h.metadata) out.insert(std::string(e.key), std::string(e.value));
+  return out;
+}
+
+// Tensor names, dtypes and shapes in offset order, and the metadata, without reading data.
+std::tuple<std::vector<std::string>, std::vector<std::string>, std::vector<std::vector<int64_t>>,
+           std::optional<c10::Dict<std::string, std::string>>>
 describe(std::string file) {
   const auto h = header(file);
   std::vector<std::string> names, dtypes;
@@ -145,7 +154,7 @@ describe(std::string file) {
     dtypes.emplace_back(t.dtype);
     shapes.emplace_back(t.shape.begin(), t.shape.end());
   }
-  return {std::move(names), std::move(dtypes), std::move(shapes)};
+  return {std::move(names), std::move(dtypes), std::move(shapes), metadata_of(h)};
 }
 
 std::vector<std::string> keys(std::string file) {
@@ -155,11 +164,7 @@ std::vector<std::string> keys(std::string file) {
 }
 
 std::optional<c10::Dict<std::string, std::string>> metadata(std::string file) {
-  const auto h = header(file);
-  if (!h.has_metadata) return std::nullopt;
-  c10::Dict<std::string, std::string> out;
-  for (const auto& e : h.metadata) out.insert(std::string(e.key), std::string(e.value));
-  return out;
+  return metadata_of(header(file));
 }
 
 }  // namespace
@@ -171,7 +176,7 @@ TORCH_LIBRARY(fastsafetensors, m) {
       " -> (Dict(str, Tensor), str[])");
   m.def("keys(str file) -> str[]");
   m.def("metadata(str file) -> Dict(str, str)?");
-  m.def("describe(str file) -> (str[], str[], int[][])");
+  m.def("describe(str file) -> (str[] names, str[] dtypes, int[][] shapes, Dict(str, str)? metadata)");
 }
 
 TORCH_LIBRARY_IMPL(fastsafetensors, CompositeExplicitAutograd, m) {

@@ -1,1 +1,13 @@
-from ._ops import ops
+"""fastsafetensors: fast .safetensors loading into CPU or GPU memory.
+
+Importing the package registers the torch ops `torch.ops.fastsafetensors.*`:
+`load(files, device="cpu", dtype=None, reader=None) -> Dict[str, Tensor]` and friends,
+usable from Python, TorchScript and C++.
+"""
+
+from ._ops import LIBRARY_PATH, ops
+from .api import load, load_file, safe_open
+
+__version__ = "0.1.0"
+
+__all__ = ["LIBRARY_PATH", "load", "load_file", "ops", "safe_open", "__version__"]

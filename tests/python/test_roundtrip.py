@@ -415,7 +415,7 @@ def _cast_source():
         "i32": torch.randint(-(2**31), 2**31 - 1, (5,), generator=g, dtype=torch.int32),
         "i8": torch.randint(-128, 127, (5,), generator=g, dtype=torch.int8),
         "u8": torch.randint(0, 255, (5,), generator=g, dtype=torch.uint8),
-        "u32": torch.arange(5, dtype=torch.uint32) * 1000003,
+        "u32": torch.tensor([0, 1, 1000003, 2**31, 2**32 - 1], dtype=torch.uint32),
         "bool": torch.tensor([True, False, True]),
     }
 

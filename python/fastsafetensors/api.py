@@ -1,0 +1,151 @@
+"""The safetensors-style API: `load_file`, `load` and `safe_open`, over the torch ops."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Dict, Iterable, List, Optional, Union
+
+import torch
+
+from ._ops import ops
+
+logger = logging.getLogger("fastsafetensors")
+
+PathLike = Union[str, os.PathLike]
+Device = Union[str, int, torch.device]
+
+__all__ = ["load", "load_file", "safe_open"]
+
+
+def _device_name(device: Device) -> str:
+    if isinstance(device, int):
+        return f"cuda:{device}"
+    return str(torch.device(device))
+
+
+def load(
+    files: Union[PathLike, Iterable[PathLike]],
+    device: Device = "cpu",
+    dtype: Optional[torch.dtype] = None,
+    reader: Optional[str] = None,
+) -> Dict[str, torch.Tensor]:
+    """Loads every tensor of one or more files into one dict.
+
+    Args:
+        files: a path or several; tensor names must be unique across them.
+        device: where the tensors go ("cpu", "cuda", "cuda:1", an index or a torch.device).
+        dtype: if given, floating-point tensors (f16, bf16, f32, f64) are cast to it on the
+            device; integer, bool and quantised (float8/float4) tensors keep their dtype.
+        reader: "auto" (default: zero-copy mmap for files already in the page cache, parallel
+            O_DIRECT reads otherwise), "direct" or "mmap". `$FASTSAFETENSORS_READER` sets the
+            default.
+
+    The tensors own their memory: no handle needs closing, and a file's buffer is freed when
+    the last tensor into it is gone.
+    """
+    if isinstance(files, (str, os.PathLike)):
+        files = [files]
+    paths: List[str] = [os.fspath(f) for f in files]
+    tensors, read_paths = ops.load_with_report(paths, _device_name(device), dtype, reader)
+    if logger.isEnabledFor(logging.DEBUG):
+        for path, how in zip(paths, read_paths):
+            logger.debug("%s: read with %s", path, how)
+    return tensors
+
+
+def load_file(
+    filename: PathLike,
+    device: Device = "cpu",
+    dtype: Optional[torch.dtype] = None,
+    reader: Optional[str] = None,
+) -> Dict[str, torch.Tensor]:
+    """Loads one file, like `safetensors.torch.load_file`. See `load` for the arguments."""
+    return load([filename], device=device, dtype=dtype, reader=reader)
+
+
+class safe_open:
+    """Reads a file's header on open; loads its data in bulk on first access.
+
+    Mirrors `safetensors.safe_open`: `keys()`, `metadata()`, `get_tensor()`, `get_slice()`,
+    usable as a context manager. Tensors stay valid after `close()`.
+    """
+
+    def __init__(
+        self,
+        filename: PathLike,
+        framework: str = "pt",
+        device: Device = "cpu",
+        reader: Optional[str] = None,
+    ):
+        if framework not in ("pt", "torch", "pytorch"):
+            raise ValueError(f"framework {framework!r} is not supported: only 'pt' (PyTorch)")
+        self._path = os.fspath(filename)
+        self._device = _device_name(device)
+        self._reader = reader
+        names, dtypes, shapes, metadata = ops.describe(self._path)
+        self._offset_keys: List[str] = list(names)
+        self._dtypes = dict(zip(names, dtypes))
+        self._shapes = dict(zip(names, shapes))
+        self._metadata = None if metadata is None else dict(metadata)
+        self._tensors: Optional[Dict[str, torch.Tensor]] = None
+
+    def __enter__(self) -> "safe_open":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Drops this handle's references; tensors already returned stay valid."""
+        self._tensors = None
+
+    def keys(self) -> List[str]:
+        return sorted(self._offset_keys)
+
+    def offset_keys(self) -> List[str]:
+        """Names in the order of their data in the file."""
+        return list(self._offset_keys)
+
+    def metadata(self) -> Optional[Dict[str, str]]:
+        return None if self._metadata is None else dict(self._metadata)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """The tensor `name`. All of the file is loaded on the first call, in one bulk read;
+        repeated calls return the same tensor (clone it before writing if that matters)."""
+        self._check(name)
+        if self._tensors is None:
+            self._tensors = load([self._path], device=self._device, reader=self._reader)
+        return self._tensors[name]
+
+    def get_slice(self, name: str) -> "TensorSlice":
+        self._check(name)
+        return TensorSlice(self, name)
+
+    def _check(self, name: str) -> None:
+        if name not in self._dtypes:
+            raise KeyError(f"{self._path}: no tensor named '{name}'")
+
+
+class TensorSlice:
+    """A tensor's shape and dtype without loading it; indexing loads and slices."""
+
+    def __init__(self, handle: safe_open, name: str):
+        self._handle = handle
+        self._name = name
+
+    def get_shape(self) -> List[int]:
+        return list(self._handle._shapes[self._name])
+
+    def get_dtype(self) -> str:
+        """The safetensors dtype name, e.g. "BF16" or "F8_E4M3"."""
+        return self._handle._dtypes[self._name]
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self._handle.get_tensor(self._name)[index].contiguous()
+
+    def __len__(self) -> int:
+        shape = self.get_shape()
+        if not shape:
+            raise TypeError("len() of a 0-d tensor")
+        return shape[0]

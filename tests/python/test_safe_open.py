@@ -1,0 +1,227 @@
+"""fastsafetensors.safe_open against safetensors' own safe_open on the same files."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open as st_safe_open
+from safetensors.torch import load_file as st_load_file
+
+import fastsafetensors
+import fst_testutils as U
+
+safe_open = fastsafetensors.safe_open
+
+
+def test_keys_match(all_dtypes_file):
+    path, written = all_dtypes_file
+    with st_safe_open(str(path), "pt") as ref, safe_open(path) as f:
+        keys = f.keys()
+        assert isinstance(keys, list)
+        assert keys == sorted(ref.keys()) == sorted(written)
+
+
+def test_metadata_match(all_dtypes_file, tmp_path):
+    path, _ = all_dtypes_file
+    with st_safe_open(str(path), "pt") as ref, safe_open(path) as f:
+        assert f.metadata() == ref.metadata() == {"format": "pt", "note": "all dtypes"}
+    bare = U.write_checkpoint(tmp_path / "bare.safetensors", {"x": torch.ones(3)})
+    with st_safe_open(str(bare), "pt") as ref, safe_open(bare) as f:
+        assert ref.metadata() is None
+        assert f.metadata() is None
+
+
+def test_metadata_null_is_none(tmp_path):
+    header, data, _ = U.layout([("x", torch.arange(4, dtype=torch.int32))])
+    header["__metadata__"] = None
+    path = U.write_raw(tmp_path / "null_meta.safetensors", header, data)
+    with safe_open(path) as f:
+        assert f.metadata() is None
+        U.assert_same_tensor(f.get_tensor("x"), torch.arange(4, dtype=torch.int32), "x")
+
+
+def test_get_tensor_every_dtype(all_dtypes_file):
+    path, written = all_dtypes_file
+    with st_safe_open(str(path), "pt") as ref, safe_open(path, framework="pt", device="cpu") as f:
+        for name in ref.keys():
+            U.assert_same_tensor(f.get_tensor(name), ref.get_tensor(name), name)
+            U.assert_same_tensor(f.get_tensor(name), written[name], name)
+
+
+def test_get_slice_shape_and_dtype(all_dtypes_file):
+    path, _ = all_dtypes_file
+    with st_safe_open(str(path), "pt") as ref, safe_open(path) as f:
+        for name in ref.keys():
+            want, got = ref.get_slice(name), f.get_slice(name)
+            shape = got.get_shape()
+            assert isinstance(shape, list) and all(type(d) is int for d in shape), (name, shape)
+            assert shape == want.get_shape(), name
+            assert got.get_dtype() == want.get_dtype(), name
+    # The dtype strings are safetensors' own names.
+    with safe_open(path) as f:
+        for dt, st_name in U.DTYPES:
+            assert f.get_slice(f"{U.dtype_id(dt)}.matrix").get_dtype() == st_name
+
+
+def test_get_slice_packed_fp4_shape_counts_fp4_values(all_dtypes_file):
+    """F4 shapes on disk count 4-bit values: a (5, 7) float4_e2m1fn_x2 tensor is [5, 14]."""
+    path, _ = all_dtypes_file
+    with safe_open(path) as f:
+        sl = f.get_slice("float4_e2m1fn_x2.matrix")
+        assert sl.get_shape() == [5, 14]
+        assert sl.get_dtype() == "F4"
+        t = f.get_tensor("float4_e2m1fn_x2.matrix")
+        assert t.dtype == torch.float4_e2m1fn_x2 and tuple(t.shape) == (5, 7)
+
+
+INDEXES_2D = {
+    "rows_0_2": slice(0, 2),
+    "cols_1_3": (slice(None), slice(1, 3)),
+    "row_1": 1,
+    "rows_1_3_col_0": (slice(1, 3), 0),
+    "ellipsis": Ellipsis,
+    "all": slice(None),
+    "last_two_rows": slice(-2, None),
+    "last_row": -1,
+    "element": (1, 2),
+    "empty_range": slice(3, 1),
+    "ellipsis_col": (Ellipsis, 1),
+    "every_other_col": (slice(None), slice(None, None, 2)),
+}
+INDEXES_3D = {
+    "first": 0,
+    "inner_cols": (slice(None), slice(None), slice(1, 3)),
+    "plane_0_cols": (0, slice(1, 3)),
+    "middle": (slice(None), 1),
+    "block": (slice(0, 1), slice(1, 3), slice(0, 2)),
+}
+SLICE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
+                torch.int8, torch.uint16, torch.bool, torch.complex64, torch.float8_e4m3fn,
+                torch.float8_e8m0fnu]
+
+
+@pytest.mark.parametrize("dt", SLICE_DTYPES, ids=U.dtype_id)
+@pytest.mark.parametrize("index", list(INDEXES_2D), ids=str)
+def test_get_slice_matches_safetensors_2d(all_dtypes_file, dt, index):
+    path, written = all_dtypes_file
+    name = f"{U.dtype_id(dt)}.matrix"
+    idx = INDEXES_2D[index]
+    with st_safe_open(str(path), "pt") as ref, safe_open(path) as f:
+        want = ref.get_slice(name)[idx]
+        got = f.get_slice(name)[idx]
+    U.assert_same_tensor(got, want, f"{name}[{index}]")
+    U.assert_same_tensor(got, written[name][idx], f"{name}[{index}]")
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, torch.int16, torch.float8_e5m2],
+                         ids=U.dtype_id)
+@pytest.mark.parametrize("index", list(INDEXES_3D), ids=str)
+def test_get_slice_matches_safetensors_3d(all_dtypes_file, dt, index):
+    path, written = all_dtypes_file
+    name = f"{U.dtype_id(dt)}.cube"
+    idx = INDEXES_3D[index]
+    with st_safe_open(str(path), "pt") as ref, safe_open(path) as f:
+        want = ref.get_slice(name)[idx]
+        got = f.get_slice(name)[idx]
+    U.assert_same_tensor(got, want, f"{name}[{index}]")
+    U.assert_same_tensor(got, written[name][idx], f"{name}[{index}]")
+
+
+def test_get_slice_of_scalar_and_empty(all_dtypes_file):
+    path, _ = all_dtypes_file
+    with st_safe_open(str(path), "pt") as ref, safe_open(path) as f:
+        for name in ("float32.scalar", "int64.scalar", "bfloat16.empty", "int32.empty2d"):
+            assert f.get_slice(name).get_shape() == ref.get_slice(name).get_shape()
+        U.assert_same_tensor(f.get_slice("bfloat16.empty2d")[:, :], ref.get_slice("bfloat16.empty2d")[:, :])
+        U.assert_same_tensor(f.get_slice("int32.empty")[0:0], ref.get_slice("int32.empty")[0:0])
+
+
+def test_slice_bytes_come_from_the_right_tensor(tmp_path):
+    """Slices of a tensor in the middle of the data section use that tensor's offset."""
+    tensors = {
+        "a": torch.arange(10, dtype=torch.int64),
+        "b": torch.arange(100, 160, dtype=torch.float32).reshape(6, 10),
+        "c": torch.arange(7, dtype=torch.int16),
+    }
+    path = U.write_checkpoint(tmp_path / "mid.safetensors", tensors)
+    with safe_open(path) as f:
+        sl = f.get_slice("b")
+        assert torch.equal(sl[2:4], tensors["b"][2:4])
+        assert torch.equal(sl[:, 7:], tensors["b"][:, 7:])
+        assert torch.equal(sl[5], tensors["b"][5])
+        assert sl[5, 9].item() == 159.0
+
+
+def test_context_manager_returns_a_handle(all_dtypes_file):
+    path, written = all_dtypes_file
+    with safe_open(path) as f:
+        assert f is not None
+        t = f.get_tensor("float32.matrix")
+    U.assert_same_tensor(t, written["float32.matrix"])
+
+
+def test_pathlike_and_str_paths(all_dtypes_file):
+    path, written = all_dtypes_file
+    for p in (str(path), Path(path)):
+        with safe_open(p, framework="pt", device="cpu") as f:
+            U.assert_same_tensor(f.get_tensor("int64.cube"), written["int64.cube"])
+
+
+def test_tensors_valid_after_close(all_dtypes_file):
+    path, written = all_dtypes_file
+    f = safe_open(path)
+    tensors = {name: f.get_tensor(name) for name in f.keys()}
+    sliced = f.get_slice("float32.matrix")[1:3]
+    f.close()
+    del f
+    gc.collect()
+    U.assert_same_dict(tensors, written)
+    U.assert_same_tensor(sliced, written["float32.matrix"][1:3])
+    # Still usable for arithmetic after the handle is gone.
+    assert torch.equal(tensors["int64.matrix"] - tensors["int64.matrix"], torch.zeros(5, 7, dtype=torch.int64))
+
+
+def test_tensors_valid_after_context_exit_and_gc(all_dtypes_file):
+    path, written = all_dtypes_file
+    with safe_open(path) as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+        sl = f.get_slice("bfloat16.cube")
+        part = sl[:, 1:3]
+    del f, sl
+    gc.collect()
+    U.assert_same_dict(tensors, written)
+    U.assert_same_tensor(part, written["bfloat16.cube"][:, 1:3])
+
+
+@pytest.mark.parametrize("method", ["get_tensor", "get_slice"])
+def test_missing_name_raises_naming_it(all_dtypes_file, method):
+    path, _ = all_dtypes_file
+    with st_safe_open(str(path), "pt") as ref:
+        with pytest.raises(Exception, match="no_such_tensor"):
+            getattr(ref, method)("no_such_tensor")
+    with safe_open(path) as f:
+        with pytest.raises((KeyError, RuntimeError)) as info:
+            getattr(f, method)("no_such_tensor")
+        assert "no_such_tensor" in str(info.value)
+        # The handle keeps working after the error.
+        assert f.get_tensor("float32.scalar").dim() == 0
+
+
+def test_empty_checkpoint(tmp_path):
+    path = U.write_raw(tmp_path / "empty.safetensors", b"{}")
+    with safe_open(path) as f:
+        assert f.keys() == []
+        assert f.metadata() is None
+
+
+def test_safe_open_does_not_cast_or_rename(multi_file_model):
+    paths, shards = multi_file_model
+    for p, shard in zip(paths, shards):
+        with safe_open(p) as f:
+            assert f.keys() == sorted(shard)
+            for name, t in shard.items():
+                U.assert_same_tensor(f.get_tensor(name), t, name)
+            assert f.metadata()["format"] == "pt"
