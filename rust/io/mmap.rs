@@ -12,11 +12,14 @@ pub fn map(src: &SourceFile) -> Result<MmapMut> {
     // mmap-based loader we rely on checkpoints not being truncated while they are loaded.
     let map = unsafe { MmapOptions::new().len(src.len as usize).map_copy(&src.file) }
         .map_err(|e| Error::io(&src.path, "mmap", e))?;
-    // Map the resident pages now, read-only, so first touches do not fault one by one.
-    // MAP_POPULATE would instead copy every page (it write-faults private mappings).
-    // Best effort: kernels before 5.14 do not know MADV_POPULATE_READ.
-    let _ = map.advise(Advice::PopulateRead);
     Ok(map)
+}
+
+/// Maps every page now (reading what is not resident), so that first touches of the
+/// tensors do not fault one by one. MAP_POPULATE would instead copy every page: it
+/// write-faults private mappings. Best effort: kernels before 5.14 lack MADV_POPULATE_READ.
+pub fn populate(map: &MmapMut) {
+    let _ = map.advise(Advice::PopulateRead);
 }
 
 /// Fraction of the mapping's pages that are in the page cache.

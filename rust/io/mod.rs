@@ -164,7 +164,10 @@ impl SourceFile {
 
     /// Brings the whole file into host memory with the reader `kind` asks for.
     pub fn read(&self, kind: ReaderKind, block: u64) -> Result<HostBuffer> {
-        let mapped = |map| HostBuffer { map, path: ReadPath::Mmap };
+        let mapped = |map| {
+            mmap::populate(&map);
+            HostBuffer { map, path: ReadPath::Mmap }
+        };
         match kind {
             ReaderKind::Mmap => Ok(mapped(mmap::map(self)?)),
             ReaderKind::Direct => direct::read(self, block),
