@@ -1,0 +1,172 @@
+//! End-to-end tests of the loader on real files: every reader returns the file's bytes.
+
+use std::path::{Path, PathBuf};
+
+use fastsafetensors::format::Dtype;
+use fastsafetensors::io::{ReadPath, ReaderKind};
+use fastsafetensors::loader::{load, read_header, LoadOptions};
+use fastsafetensors::Error;
+
+/// A directory of its own under the system temp dir, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> TempDir {
+        let dir = std::env::temp_dir().join(format!("fst-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+
+    fn write(&self, name: &str, bytes: &[u8]) -> PathBuf {
+        let path = self.0.join(name);
+        std::fs::write(&path, bytes).unwrap();
+        path
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A file with the given (name, dtype, shape) tensors, each filled with a distinct byte pattern.
+fn safetensors(tensors: &[(&str, &str, &[u64])], header_pad_to: usize) -> Vec<u8> {
+    let mut entries = Vec::new();
+    let mut data = Vec::new();
+    for (i, (name, dtype, shape)) in tensors.iter().enumerate() {
+        let bits = Dtype::from_name(dtype).unwrap().bits();
+        let len = (shape.iter().product::<u64>() * bits / 8) as usize;
+        let begin = data.len();
+        data.extend((0..len).map(|j| (j * 31 + i * 7) as u8));
+        entries.push(format!(
+            r#""{name}":{{"dtype":"{dtype}","shape":{shape:?},"data_offsets":[{begin},{}]}}"#,
+            data.len()
+        ));
+    }
+    let mut json = format!("{{{}}}", entries.join(","));
+    while (8 + json.len()) % header_pad_to != 0 {
+        json.push(' ');
+    }
+    let mut file = (json.len() as u64).to_le_bytes().to_vec();
+    file.extend_from_slice(json.as_bytes());
+    file.extend_from_slice(&data);
+    file
+}
+
+fn expected_bytes(file: &[u8], path: &Path, name: &str) -> Vec<u8> {
+    let header = read_header(path).unwrap();
+    let t = header.tensors.iter().find(|t| t.name == name).unwrap();
+    file[(header.data_start + t.begin) as usize..(header.data_start + t.end) as usize].to_vec()
+}
+
+const TENSORS: &[(&str, &str, &[u64])] = &[
+    ("embed", "BF16", &[300, 70]),
+    ("norm", "F32", &[70]),
+    ("ids", "I64", &[5]),
+    ("empty", "F16", &[0, 4]),
+    ("scalar", "F64", &[]),
+    ("packed", "F4", &[3, 2]),
+];
+
+#[test]
+fn every_reader_returns_the_files_bytes() {
+    let dir = TempDir::new("readers");
+    let bytes = safetensors(TENSORS, 8);
+    let path = dir.write("model.safetensors", &bytes);
+    for (reader, block) in [
+        (ReaderKind::Direct, 4096),
+        (ReaderKind::Direct, 1 << 20),
+        (ReaderKind::Mmap, 4096),
+        (ReaderKind::Auto, 8192),
+    ] {
+        let loaded = load(&[path.clone()], &LoadOptions { reader, block }).unwrap();
+        assert_eq!(loaded.tensors.len(), TENSORS.len());
+        for t in &loaded.tensors {
+            assert_eq!(loaded.bytes(t), expected_bytes(&bytes, &path, &t.name), "{reader:?} {}", t.name);
+            assert!(t.aligned, "a padded header keeps {} aligned", t.name);
+        }
+    }
+}
+
+#[test]
+fn forced_readers_report_their_path() {
+    let dir = TempDir::new("paths");
+    let path = dir.write("a.safetensors", &safetensors(TENSORS, 8));
+    let read = |reader| load(&[path.clone()], &LoadOptions { reader, ..Default::default() }).unwrap().read_paths();
+    assert_eq!(read(ReaderKind::Mmap), [ReadPath::Mmap]);
+    // O_DIRECT, or buffered where the temp dir's filesystem refuses it (tmpfs).
+    assert!(matches!(read(ReaderKind::Direct)[..], [ReadPath::Direct | ReadPath::Buffered]));
+    // Just written, so resident: auto maps it.
+    assert_eq!(read(ReaderKind::Auto), [ReadPath::Mmap]);
+}
+
+#[test]
+fn unpadded_header_flags_misaligned_tensors() {
+    let dir = TempDir::new("misaligned");
+    let bytes = safetensors(&[("w", "F32", &[4]), ("b", "U8", &[3])], 1);
+    let path = dir.write("m.safetensors", &bytes);
+    let loaded = load(&[path.clone()], &LoadOptions::default()).unwrap();
+    let header = read_header(&path).unwrap();
+    for t in &loaded.tensors {
+        assert_eq!(t.aligned, t.offset % t.dtype.alignment() == 0);
+        assert_eq!(loaded.bytes(t), expected_bytes(&bytes, &path, &t.name));
+    }
+    assert_eq!(loaded.tensors[0].aligned, header.data_start % 4 == 0);
+}
+
+#[test]
+fn many_files_load_together() {
+    let dir = TempDir::new("multi");
+    let a = safetensors(&[("a.weight", "F16", &[1000, 33])], 8);
+    let b = safetensors(&[("b.weight", "I32", &[77]), ("b.bias", "U8", &[9])], 8);
+    let paths = [dir.write("1.safetensors", &a), dir.write("2.safetensors", &b)];
+    let loaded = load(&paths, &LoadOptions { reader: ReaderKind::Direct, block: 4096 }).unwrap();
+    let names: Vec<_> = loaded.tensors.iter().map(|t| (t.name.as_str(), t.file)).collect();
+    assert_eq!(names, [("a.weight", 0), ("b.weight", 1), ("b.bias", 1)]);
+    for t in &loaded.tensors {
+        let src = if t.file == 0 { &a } else { &b };
+        assert_eq!(loaded.bytes(t), expected_bytes(src, &paths[t.file], &t.name));
+    }
+}
+
+#[test]
+fn errors_name_the_file() {
+    let dir = TempDir::new("errors");
+    let missing = dir.0.join("missing.safetensors");
+    let err = load(&[missing.clone()], &LoadOptions::default()).err().unwrap();
+    assert!(matches!(err, Error::Io { .. }));
+    assert!(err.to_string().starts_with(&missing.display().to_string()), "{err}");
+
+    let err = load(&[dir.0.clone()], &LoadOptions::default()).err().unwrap();
+    assert!(matches!(err, Error::NotAFile { .. }), "{err}");
+
+    let mut bytes = safetensors(TENSORS, 8);
+    bytes.truncate(bytes.len() - 1);
+    let short = dir.write("short.safetensors", &bytes);
+    let err = load(&[short.clone()], &LoadOptions::default()).err().unwrap();
+    assert!(err.to_string().contains("short.safetensors"), "{err}");
+    assert!(matches!(err, Error::Format { .. }), "{err}");
+
+    let small = dir.write("small.safetensors", &[1, 2, 3]);
+    let err = load(&[small], &LoadOptions::default()).err().unwrap().to_string();
+    assert!(err.contains("small.safetensors") && err.contains("too small"), "{err}");
+}
+
+#[test]
+fn duplicate_names_across_files_fail_before_reading() {
+    let dir = TempDir::new("dup");
+    let bytes = safetensors(&[("w", "U8", &[4])], 8);
+    let paths = [dir.write("x.safetensors", &bytes), dir.write("y.safetensors", &bytes)];
+    let err = load(&paths, &LoadOptions::default()).err().unwrap().to_string();
+    assert!(err.contains("'w'") && err.contains("x.safetensors") && err.contains("y.safetensors"), "{err}");
+}
+
+#[test]
+fn reader_names_parse_and_bad_ones_are_rejected() {
+    assert_eq!(ReaderKind::resolve(Some("direct")).unwrap(), ReaderKind::Direct);
+    assert_eq!(ReaderKind::resolve(Some("mmap")).unwrap(), ReaderKind::Mmap);
+    assert_eq!(ReaderKind::resolve(Some("auto")).unwrap(), ReaderKind::Auto);
+    let err = ReaderKind::resolve(Some("fast")).unwrap_err().to_string();
+    assert!(err.contains("unknown reader 'fast'"), "{err}");
+}
