@@ -5,16 +5,21 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
+use crate::cuda::cufile::{self, CuFileLibrary};
+use crate::cuda::driver::{self, Context};
+use crate::device::CudaDevice;
 use crate::error::{Error, Result};
+use crate::gds::GdsMode;
 use crate::io::{HostBuffer, ReaderKind};
-use crate::loader::{self, LoadOptions, Loaded};
+use crate::loader::{self, DeviceOptions, LoadOptions, Loaded, Planned};
 use crate::plan::{self, Placement};
 
 #[cxx::bridge(namespace = "fastsafetensors::rs")]
 mod ffi {
-    /// One tensor: `nbytes` at `offset` in buffer `buffer`, with its safetensors dtype name.
+    /// One tensor: `nbytes` at `offset` in the buffer of file `buffer`, with its safetensors
+    /// dtype name.
     struct TensorSpec {
         name: String,
         dtype: String,
@@ -39,12 +44,26 @@ mod ffi {
     }
 
     extern "Rust" {
+        /// Validated files, not yet read.
+        type PlannedFiles;
         /// The files' tensors in host memory.
         type LoadedFiles;
-        /// A reference on one file's buffer; the buffer is freed when the last one drops.
+        /// A reference on one file's host buffer; the buffer is freed when the last drops.
         type BufferRef;
 
-        /// Loads `paths` with `reader` ("auto", "direct", "mmap", or "" for the default).
+        /// Opens `paths` and validates their headers (no data is read).
+        fn plan_files(paths: &Vec<String>) -> Result<Box<PlannedFiles>>;
+        fn tensors(self: &PlannedFiles) -> &Vec<TensorSpec>;
+        fn file_count(self: &PlannedFiles) -> usize;
+        /// Bytes of device memory file `index` needs.
+        fn device_len(self: &PlannedFiles, index: usize) -> usize;
+        /// Fills device memory `dsts[i]` with file i on CUDA device `ordinal`; returns how
+        /// each file was read. `nogds`: -1 unset (auto), 0 false (require GDS), 1 true.
+        fn copy_to_cuda(self: &PlannedFiles, ordinal: usize, dsts: &Vec<u64>, reader: &str, nogds: i32)
+            -> Result<Vec<String>>;
+
+        /// Loads `paths` into host memory with `reader` ("auto", "direct", "mmap", or "" for
+        /// the default).
         fn load_files(paths: &Vec<String>, reader: &str) -> Result<Box<LoadedFiles>>;
         fn tensors(self: &LoadedFiles) -> &Vec<TensorSpec>;
         /// How each file was read: "direct", "buffered" or "mmap".
@@ -54,12 +73,19 @@ mod ffi {
         /// Address of the first byte of the buffer.
         fn address(self: &BufferRef) -> usize;
 
+        /// Number of CUDA devices; an error naming the reason when there is no driver.
+        fn cuda_device_count() -> Result<usize>;
         /// Reads and validates one file's header without reading its data.
         fn read_header(path: &str) -> Result<HeaderSpec>;
     }
 }
 
 use ffi::{HeaderSpec, MetadataEntry, TensorSpec};
+
+pub struct PlannedFiles {
+    planned: Planned,
+    specs: Vec<TensorSpec>,
+}
 
 pub struct LoadedFiles {
     loaded: Loaded,
@@ -101,12 +127,78 @@ fn spec(t: &Placement) -> Result<TensorSpec> {
     })
 }
 
+fn specs(tensors: &[Placement]) -> Result<Vec<TensorSpec>> {
+    tensors.iter().map(spec).collect()
+}
+
+fn reader_kind(reader: &str) -> Result<ReaderKind> {
+    ReaderKind::resolve(Some(reader).filter(|r| !r.is_empty()))
+}
+
+fn plan(paths: &[String]) -> Result<Planned> {
+    loader::plan_files(&paths.iter().map(PathBuf::from).collect::<Vec<_>>())
+}
+
+fn plan_files(paths: &Vec<String>) -> Result<Box<PlannedFiles>> {
+    guard(|| {
+        let planned = plan(paths)?;
+        let specs = specs(&planned.tensors)?;
+        Ok(Box::new(PlannedFiles { planned, specs }))
+    })
+}
+
+/// cuFile, opened once per process, or why it cannot be used.
+fn cufile_library(gds: GdsMode) -> std::result::Result<&'static CuFileLibrary, &'static str> {
+    static LIBRARY: OnceLock<std::result::Result<CuFileLibrary, String>> = OnceLock::new();
+    if gds == GdsMode::Auto && !cufile::nvidia_fs_loaded() {
+        return Err("the nvidia-fs driver is not loaded");
+    }
+    LIBRARY.get_or_init(CuFileLibrary::open).as_ref().map_err(String::as_str)
+}
+
+impl PlannedFiles {
+    fn tensors(&self) -> &Vec<TensorSpec> {
+        &self.specs
+    }
+
+    fn file_count(&self) -> usize {
+        self.planned.sources.len()
+    }
+
+    fn device_len(&self, index: usize) -> usize {
+        self.planned.device_len(index) as usize
+    }
+
+    fn copy_to_cuda(&self, ordinal: usize, dsts: &Vec<u64>, reader: &str, nogds: i32) -> Result<Vec<String>> {
+        guard(|| {
+            if dsts.len() != self.planned.sources.len() {
+                return Err(Error::InvalidArgument(format!("{} destinations for {} files", dsts.len(), self.planned.sources.len())));
+            }
+            let gds = GdsMode::from_nogds(match nogds {
+                0 => Some(false),
+                1 => Some(true),
+                _ => None,
+            });
+            let options = DeviceOptions { reader: reader_kind(reader)?, gds, ..DeviceOptions::default() };
+            let ctx = Context::primary(ordinal)?;
+            // The destination came from torch's caching allocator: work torch queued on it
+            // before it was freed and handed to us may still be running.
+            ctx.synchronize()?;
+            let device = CudaDevice::new(ctx)?;
+            // cuFile is opened only now that a context exists on a real device.
+            let cufile = if gds == GdsMode::Never { Err("disabled (nogds=True)") } else { cufile_library(gds) };
+            let paths = self.planned.copy_to_device(&device, cufile, dsts, &options)?;
+            device.synchronize()?;
+            Ok(paths.into_iter().map(|p| p.name().to_owned()).collect())
+        })
+    }
+}
+
 fn load_files(paths: &Vec<String>, reader: &str) -> Result<Box<LoadedFiles>> {
     guard(|| {
-        let reader = ReaderKind::resolve(Some(reader).filter(|r| !r.is_empty()))?;
-        let paths: Vec<PathBuf> = paths.iter().map(PathBuf::from).collect();
-        let loaded = loader::load(&paths, &LoadOptions { reader, ..LoadOptions::default() })?;
-        let specs = loaded.tensors.iter().map(spec).collect::<Result<_>>()?;
+        let options = LoadOptions { reader: reader_kind(reader)?, ..LoadOptions::default() };
+        let loaded = plan(paths)?.read_to_host(&options)?;
+        let specs = specs(&loaded.tensors)?;
         Ok(Box::new(LoadedFiles { loaded, specs }))
     })
 }
@@ -135,12 +227,15 @@ impl BufferRef {
     }
 }
 
+fn cuda_device_count() -> Result<usize> {
+    guard(driver::device_count)
+}
+
 fn read_header(path: &str) -> Result<HeaderSpec> {
     guard(|| {
         let path = PathBuf::from(path);
         let header = loader::read_header(&path)?;
         let placements = plan::place(std::slice::from_ref(&path), std::slice::from_ref(&header))?;
-        let tensors = placements.iter().map(spec).collect::<Result<_>>()?;
         Ok(HeaderSpec {
             has_metadata: header.metadata.is_some(),
             metadata: header
@@ -149,7 +244,7 @@ fn read_header(path: &str) -> Result<HeaderSpec> {
                 .into_iter()
                 .map(|(key, value)| MetadataEntry { key, value })
                 .collect(),
-            tensors,
+            tensors: specs(&placements)?,
         })
     })
 }

@@ -24,6 +24,12 @@ pub enum Error {
     /// Two files hold a tensor of the same name.
     #[error("tensor '{name}' is in both {} and {}", .first.display(), .second.display())]
     DuplicateTensor { name: String, first: PathBuf, second: PathBuf },
+    /// The CUDA driver is missing, has no such device, or failed a call.
+    #[error("CUDA: {0}")]
+    Cuda(String),
+    /// GPUDirect Storage was required (`nogds=False`) but could not read the file.
+    #[error("{}: GPUDirect Storage was required but failed: {reason}", .path.display())]
+    GdsRequired { path: PathBuf, reason: String },
     /// An option the loader does not know.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

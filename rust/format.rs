@@ -139,13 +139,10 @@ impl Dtype {
         }
     }
 
-    /// Byte alignment an element pointer needs (1 for packed sub-byte types).
-    /// C64 is two f32s, so it needs 4, as `std::complex<float>` does.
+    /// Byte alignment a tensor's data needs: its element size (1 for packed sub-byte types),
+    /// which is what torch asks of a byte buffer reinterpreted as this dtype.
     pub fn alignment(self) -> u64 {
-        match self {
-            Dtype::C64 => 4,
-            other => (other.bits() / 8).max(1),
-        }
+        (self.bits() / 8).max(1)
     }
 
     pub fn name(self) -> &'static str {

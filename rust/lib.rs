@@ -1,15 +1,21 @@
-//! Fast, validated loading of `.safetensors` checkpoints.
+//! Fast, validated loading of `.safetensors` checkpoints into host or CUDA memory.
 //!
 //! The data flows one way through the modules: [`format`] parses and validates headers,
-//! [`plan`] decides what to read and where each tensor lands, [`io`] moves the bytes, and
-//! [`loader`] runs the three for a set of files. [`bridge`] is the only FFI surface: the
-//! C++ torch extension calls it and wraps the buffers as tensors.
+//! [`plan`] decides what to read and where each tensor lands, [`io`] moves the bytes into
+//! host memory, and [`staged`] (through a [`device::StagingDevice`]) or [`gds`] (through
+//! cuFile) into device memory; [`loader`] runs them for a set of files. [`cuda`] holds every
+//! driver call. [`bridge`] is the only FFI surface: the C++ torch extension calls it and
+//! wraps the buffers as tensors.
 
 pub mod bridge;
+pub mod cuda;
+pub mod device;
 pub mod error;
 pub mod format;
+pub mod gds;
 pub mod io;
 pub mod loader;
 pub mod plan;
+pub mod staged;
 
 pub use error::{Error, Result};

@@ -1,57 +1,17 @@
 //! End-to-end tests of the loader on real files: every reader returns the file's bytes.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
-use fastsafetensors::format::Dtype;
+use common::{safetensors, TempDir};
+
 use fastsafetensors::io::{ReadPath, ReaderKind};
-use fastsafetensors::loader::{load, read_header, LoadOptions};
-use fastsafetensors::Error;
+use fastsafetensors::loader::{plan_files, read_header, LoadOptions, Loaded};
+use fastsafetensors::{Error, Result};
 
-/// A directory of its own under the system temp dir, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        let dir = std::env::temp_dir().join(format!("fst-{tag}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-
-    fn write(&self, name: &str, bytes: &[u8]) -> PathBuf {
-        let path = self.0.join(name);
-        std::fs::write(&path, bytes).unwrap();
-        path
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// A file with the given (name, dtype, shape) tensors, each filled with a distinct byte pattern.
-fn safetensors(tensors: &[(&str, &str, &[u64])], header_pad_to: usize) -> Vec<u8> {
-    let mut entries = Vec::new();
-    let mut data = Vec::new();
-    for (i, (name, dtype, shape)) in tensors.iter().enumerate() {
-        let bits = Dtype::from_name(dtype).unwrap().bits();
-        let len = (shape.iter().product::<u64>() * bits / 8) as usize;
-        let begin = data.len();
-        data.extend((0..len).map(|j| (j * 31 + i * 7) as u8));
-        entries.push(format!(
-            r#""{name}":{{"dtype":"{dtype}","shape":{shape:?},"data_offsets":[{begin},{}]}}"#,
-            data.len()
-        ));
-    }
-    let mut json = format!("{{{}}}", entries.join(","));
-    while (8 + json.len()) % header_pad_to != 0 {
-        json.push(' ');
-    }
-    let mut file = (json.len() as u64).to_le_bytes().to_vec();
-    file.extend_from_slice(json.as_bytes());
-    file.extend_from_slice(&data);
-    file
+fn load(paths: &[PathBuf], options: &LoadOptions) -> Result<Loaded> {
+    plan_files(paths)?.read_to_host(options)
 }
 
 fn expected_bytes(file: &[u8], path: &Path, name: &str) -> Vec<u8> {

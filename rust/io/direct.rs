@@ -1,8 +1,12 @@
 //! The cold-file reader: parallel `O_DIRECT` preads into page-aligned anonymous memory.
+//!
+//! [`BlockReader`] reads one block of a file into page-aligned memory; the host reader here
+//! and the staged device pipeline both use it.
 
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use memmap2::{Advice, MmapMut};
 use rayon::prelude::*;
@@ -11,29 +15,69 @@ use super::{io_pool, HostBuffer, ReadPath, SourceFile};
 use crate::error::{Error, Result};
 use crate::plan::{self, ReadBlock, IO_ALIGN};
 
-/// Reads the whole file; falls back to buffered reads where `O_DIRECT` is refused (tmpfs,
-/// some network and FUSE filesystems answer EINVAL at open or at the first read).
+/// Reads the whole file into fresh page-aligned memory, `block` bytes per request.
 pub fn read(src: &SourceFile, block: u64) -> Result<HostBuffer> {
     let block = plan::align_up(block.max(IO_ALIGN), IO_ALIGN);
     let blocks = plan::read_blocks(src.len, IO_ALIGN, block);
     let len = plan::align_up(src.len, IO_ALIGN) as usize;
     let mut map = MmapMut::map_anon(len).map_err(|e| Error::io(&src.path, "allocate", e))?;
-    // Huge pages make faulting in the destination ~10x cheaper; best effort.
+    // Huge pages make faulting in the destination several times cheaper; best effort.
     let _ = map.advise(Advice::HugePage);
+    let reader = BlockReader::open(src, true)?;
+    io_pool().install(|| {
+        blocks
+            .par_iter()
+            .zip(map.par_chunks_mut(block as usize))
+            .try_for_each(|(b, dst)| reader.read(b, dst))
+    })?;
+    Ok(HostBuffer { map, path: reader.path() })
+}
 
-    let direct = OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(&src.path);
-    let path = match direct {
-        Ok(file) => match read_blocks(src, &file, &blocks, block, &mut map) {
-            Err(Failure::Unsupported) => ReadPath::Buffered,
-            other => other.map(|()| ReadPath::Direct).map_err(|f| f.into_error(src))?,
-        },
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => ReadPath::Buffered,
-        Err(e) => return Err(Error::io(&src.path, "open (O_DIRECT)", e)),
-    };
-    if path == ReadPath::Buffered {
-        read_blocks(src, &src.file, &blocks, block, &mut map).map_err(|f| f.into_error(src))?;
+/// Reads blocks of one file, with `O_DIRECT` when asked and the filesystem allows it, else
+/// through the page cache. Falls back for good at the first request `O_DIRECT` refuses
+/// (tmpfs refuses the open; some network and FUSE filesystems refuse the read).
+pub struct BlockReader<'a> {
+    src: &'a SourceFile,
+    direct: Option<File>,
+    fell_back: AtomicBool,
+}
+
+impl<'a> BlockReader<'a> {
+    pub fn open(src: &'a SourceFile, direct: bool) -> Result<BlockReader<'a>> {
+        let direct = if direct { open_direct(src)? } else { None };
+        Ok(BlockReader { src, direct, fell_back: AtomicBool::new(false) })
     }
-    Ok(HostBuffer { map, path })
+
+    /// Fills `dst` with the file's bytes at `b.offset`. `dst` is `b.len` bytes (or more),
+    /// page-aligned; bytes past the end of the file are left as they are.
+    pub fn read(&self, b: &ReadBlock, dst: &mut [u8]) -> Result<()> {
+        let dst = &mut dst[..b.len as usize];
+        if let Some(file) = self.direct.as_ref().filter(|_| !self.fell_back.load(Ordering::Relaxed)) {
+            match read_exact(self.src, file, b, dst) {
+                Err(Failure::Unsupported) => self.fell_back.store(true, Ordering::Relaxed),
+                other => return other.map_err(|f| f.into_error(self.src)),
+            }
+        }
+        read_exact(self.src, &self.src.file, b, dst).map_err(|f| f.into_error(self.src))
+    }
+
+    /// How the blocks were read (after the reads).
+    pub fn path(&self) -> ReadPath {
+        if self.direct.is_some() && !self.fell_back.load(Ordering::Relaxed) {
+            ReadPath::Direct
+        } else {
+            ReadPath::Buffered
+        }
+    }
+}
+
+/// The file opened with `O_DIRECT`, or `None` where the filesystem does not support it.
+fn open_direct(src: &SourceFile) -> Result<Option<File>> {
+    match OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(&src.path) {
+        Ok(file) => Ok(Some(file)),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(None),
+        Err(e) => Err(Error::io(&src.path, "open (O_DIRECT)", e)),
+    }
 }
 
 enum Failure {
@@ -46,31 +90,12 @@ impl Failure {
     fn into_error(self, src: &SourceFile) -> Error {
         match self {
             Failure::Failed(e) => e,
-            Failure::Unsupported => {
-                Error::io(&src.path, "read", io::Error::from_raw_os_error(libc::EINVAL))
-            }
+            Failure::Unsupported => Error::io(&src.path, "read", io::Error::from_raw_os_error(libc::EINVAL)),
         }
     }
 }
 
-fn read_blocks(
-    src: &SourceFile,
-    file: &File,
-    blocks: &[ReadBlock],
-    block: u64,
-    buf: &mut [u8],
-) -> Result<(), Failure> {
-    debug_assert_eq!(blocks.len(), buf.len().div_ceil(block as usize));
-    io_pool().install(|| {
-        blocks
-            .par_iter()
-            .zip(buf.par_chunks_mut(block as usize))
-            .try_for_each(|(b, dst)| read_block(src, file, b, dst))
-    })
-}
-
-/// Fills `dst` (the block's slice of the buffer) with the file's bytes at `b.offset`.
-fn read_block(src: &SourceFile, file: &File, b: &ReadBlock, dst: &mut [u8]) -> Result<(), Failure> {
+fn read_exact(src: &SourceFile, file: &File, b: &ReadBlock, dst: &mut [u8]) -> Result<(), Failure> {
     let mut done = 0usize;
     let expected = b.expected as usize;
     while done < expected {

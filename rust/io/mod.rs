@@ -12,8 +12,8 @@
 //! [`ReaderKind::Auto`] picks per file: mmap when the file's pages are already resident,
 //! direct otherwise.
 
-mod direct;
-mod mmap;
+pub mod direct;
+pub mod mmap;
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -78,10 +78,14 @@ impl ReaderKind {
 /// How a file's bytes actually arrived.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReadPath {
+    /// `O_DIRECT` reads (into host memory, or into staging buffers for a device).
     Direct,
-    /// Direct reads that fell back to the page cache (no `O_DIRECT` on this filesystem).
+    /// Reads through the page cache: the file was resident, or `O_DIRECT` is unsupported.
     Buffered,
+    /// A zero-copy mapping of the file.
     Mmap,
+    /// GPUDirect Storage, straight into device memory.
+    Gds,
 }
 
 impl ReadPath {
@@ -90,6 +94,7 @@ impl ReadPath {
             ReadPath::Direct => "direct",
             ReadPath::Buffered => "buffered",
             ReadPath::Mmap => "mmap",
+            ReadPath::Gds => "gds",
         }
     }
 }
@@ -181,6 +186,12 @@ impl SourceFile {
                 }
             }
         }
+    }
+
+    /// Whether (nearly) all of the file is in the page cache, so reading it through the
+    /// cache beats O_DIRECT.
+    pub fn is_resident(&self) -> Result<bool> {
+        Ok(mmap::resident_fraction(&mmap::map(self)?) >= RESIDENT_THRESHOLD)
     }
 }
 
