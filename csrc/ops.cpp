@@ -71,9 +71,9 @@ std::vector<int64_t> torch_shape(const rs::TensorSpec& t) {
   return shape;
 }
 
-// A tensor over the bytes of `t` in `buffer`. Each tensor's deleter holds a reference on
-// its buffer, so the buffer lives exactly as long as the last tensor into it.
-at::Tensor wrap(const rs::TensorSpec& t, const Buffer& buffer) {
+// A tensor over the bytes of `t` in a host buffer. Each tensor's deleter holds a reference
+// on its buffer, so the buffer lives exactly as long as the last tensor into it.
+at::Tensor wrap_host(const rs::TensorSpec& t, const Buffer& buffer) {
   const auto type = scalar_type(t);
   const auto shape = torch_shape(t);
   const auto options = at::TensorOptions().dtype(type).device(at::kCPU);
@@ -90,10 +90,26 @@ at::Tensor wrap(const rs::TensorSpec& t, const Buffer& buffer) {
   return bytes.clone().view(type).view(shape);
 }
 
+// A tensor over the bytes of `t` in a file's device buffer: a view, so the buffer (owned by
+// torch's caching allocator) is freed when the last tensor into it dies.
+at::Tensor wrap_device(const rs::TensorSpec& t, const at::Tensor& buffer) {
+  const auto type = scalar_type(t);
+  const auto shape = torch_shape(t);
+  if (t.nbytes == 0) {
+    return at::empty(shape, buffer.options().dtype(type));
+  }
+  auto bytes = buffer.narrow(0, static_cast<int64_t>(t.offset), static_cast<int64_t>(t.nbytes));
+  // Misaligned data is copied to fresh aligned memory on the device, not through the host.
+  return (t.aligned ? bytes : bytes.clone()).view(type).view(shape);
+}
+
 // Casts only what users mean by "the model's dtype": full-precision floating point.
-// Quantised payloads (float8, float4, e8m0 scales) and integers keep their type.
-bool castable(at::ScalarType type) {
-  return type == at::kHalf || type == at::kBFloat16 || type == at::kFloat || type == at::kDouble;
+// Quantised payloads (float8, float4, e8m0 scales) and integers keep their type. The cast
+// runs where the tensor is: on the GPU for device loads.
+at::Tensor cast(at::Tensor t, std::optional<at::ScalarType> dtype) {
+  const auto type = t.scalar_type();
+  const bool castable = type == at::kHalf || type == at::kBFloat16 || type == at::kFloat || type == at::kDouble;
+  return dtype && castable && type != *dtype ? t.to(*dtype) : t;
 }
 
 ::rust::Vec<::rust::String> to_rust(const std::vector<std::string>& strings) {
@@ -103,32 +119,71 @@ bool castable(at::ScalarType type) {
   return out;
 }
 
-std::tuple<TensorDict, std::vector<std::string>> load_with_report(
-    std::vector<std::string> files, std::string device, std::optional<at::ScalarType> dtype,
-    std::optional<std::string> reader) {
-  const c10::Device target(device);
-  auto paths = to_rust(files);
-  auto loaded = call_rust([&] { return rs::load_files(paths, reader.value_or("")); });
+std::vector<std::string> from_rust(const ::rust::Vec<::rust::String>& strings) {
+  return std::vector<std::string>(strings.begin(), strings.end());
+}
 
+using Loaded = std::tuple<TensorDict, std::vector<std::string>>;
+
+Loaded load_to_host(const std::vector<std::string>& files, const std::string& reader,
+                    std::optional<at::ScalarType> dtype) {
+  auto paths = to_rust(files);
+  auto loaded = call_rust([&] { return rs::load_files(paths, reader); });
   std::vector<Buffer> buffers;
   for (size_t i = 0; i < loaded->buffer_count(); ++i) {
     buffers.push_back(std::make_shared<::rust::Box<rs::BufferRef>>(loaded->buffer(i)));
   }
   TensorDict tensors;
   for (const auto& spec : loaded->tensors()) {
-    auto t = wrap(spec, buffers[spec.buffer]);
-    if (!target.is_cpu()) t = t.to(target);
-    if (dtype && castable(t.scalar_type()) && t.scalar_type() != *dtype) t = t.to(*dtype);
-    tensors.insert(std::string(spec.name), std::move(t));
+    tensors.insert(std::string(spec.name), cast(wrap_host(spec, buffers[spec.buffer]), dtype));
   }
-  std::vector<std::string> read_paths;
-  for (const auto& p : loaded->read_paths()) read_paths.emplace_back(p);
-  return {std::move(tensors), std::move(read_paths)};
+  return {std::move(tensors), from_rust(loaded->read_paths())};
+}
+
+Loaded load_to_cuda(const std::vector<std::string>& files, const c10::Device& target,
+                    const std::string& reader, std::optional<at::ScalarType> dtype,
+                    std::optional<bool> nogds) {
+  // Our own check first: a clear error, at once, on machines without a driver.
+  try {
+    rs::cuda_device_count();
+  } catch (const ::rust::Error& e) {
+    TORCH_CHECK(false, "fastsafetensors: cannot load to ", target.str(), ": ", e.what());
+  }
+  auto paths = to_rust(files);
+  auto planned = call_rust([&] { return rs::plan_files(paths); });
+  // Destination memory comes from torch's caching allocator, so torch's memory statistics
+  // (which vLLM sizes its KV cache from) count it.
+  std::vector<at::Tensor> buffers;
+  ::rust::Vec<uint64_t> destinations;
+  for (size_t i = 0; i < planned->file_count(); ++i) {
+    const auto len = static_cast<int64_t>(planned->device_len(i));
+    buffers.push_back(at::empty({len}, at::TensorOptions(at::kByte).device(target)));
+    destinations.push_back(reinterpret_cast<uint64_t>(buffers.back().data_ptr()));
+  }
+  const int ordinal = buffers.empty() ? std::max<int>(target.index(), 0) : buffers.front().device().index();
+  const int32_t gds = nogds.has_value() ? static_cast<int32_t>(*nogds) : -1;
+  auto read_paths = call_rust([&] { return planned->copy_to_cuda(ordinal, destinations, reader, gds); });
+  TensorDict tensors;
+  for (const auto& spec : planned->tensors()) {
+    tensors.insert(std::string(spec.name), cast(wrap_device(spec, buffers[spec.buffer]), dtype));
+  }
+  return {std::move(tensors), from_rust(read_paths)};
+}
+
+Loaded load_with_report(std::vector<std::string> files, std::string device,
+                        std::optional<at::ScalarType> dtype, std::optional<std::string> reader,
+                        std::optional<bool> nogds) {
+  const c10::Device target(device);
+  TORCH_CHECK(target.is_cpu() || target.is_cuda(), "fastsafetensors: cannot load to device '", device,
+              "' (only cpu and cuda)");
+  return target.is_cpu() ? load_to_host(files, reader.value_or(""), dtype)
+                         : load_to_cuda(files, target, reader.value_or(""), dtype, nogds);
 }
 
 TensorDict load(std::vector<std::string> files, std::string device,
-                std::optional<at::ScalarType> dtype, std::optional<std::string> reader) {
-  return std::get<0>(load_with_report(std::move(files), std::move(device), dtype, std::move(reader)));
+                std::optional<at::ScalarType> dtype, std::optional<std::string> reader,
+                std::optional<bool> nogds) {
+  return std::get<0>(load_with_report(std::move(files), std::move(device), dtype, std::move(reader), nogds));
 }
 
 rs::HeaderSpec header(const std::string& file) {
@@ -170,10 +225,12 @@ std::optional<c10::Dict<std::string, std::string>> metadata(std::string file) {
 }  // namespace
 
 TORCH_LIBRARY(fastsafetensors, m) {
-  m.def("load(str[] files, str device=\"cpu\", ScalarType? dtype=None, str? reader=None) -> Dict(str, Tensor)");
   m.def(
-      "load_with_report(str[] files, str device=\"cpu\", ScalarType? dtype=None, str? reader=None)"
-      " -> (Dict(str, Tensor), str[])");
+      "load(str[] files, str device=\"cpu\", ScalarType? dtype=None, str? reader=None, bool? nogds=None)"
+      " -> Dict(str, Tensor)");
+  m.def(
+      "load_with_report(str[] files, str device=\"cpu\", ScalarType? dtype=None, str? reader=None,"
+      " bool? nogds=None) -> (Dict(str, Tensor), str[])");
   m.def("keys(str file) -> str[]");
   m.def("metadata(str file) -> Dict(str, str)?");
   m.def("describe(str file) -> (str[] names, str[] dtypes, int[][] shapes, Dict(str, str)? metadata)");

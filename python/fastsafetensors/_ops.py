@@ -20,6 +20,18 @@ def _library_path() -> str:
     )
 
 
+def _point_at_cufile() -> None:
+    """Lets the loader find the cuFile library the CUDA wheels ship (as libcufile.so.0, a
+    name no default search finds) unless the user chose one."""
+    if os.environ.get("FASTSAFETENSORS_CUFILE"):
+        return
+    site_packages = os.path.dirname(os.path.dirname(torch.__file__))
+    found = sorted(glob.glob(os.path.join(site_packages, "nvidia", "*", "lib", "libcufile.so*")))
+    if found:
+        os.environ["FASTSAFETENSORS_CUFILE"] = found[0]
+
+
 LIBRARY_PATH = _library_path()
+_point_at_cufile()
 torch.ops.load_library(LIBRARY_PATH)
 ops = torch.ops.fastsafetensors

@@ -29,6 +29,7 @@ def load(
     device: Device = "cpu",
     dtype: Optional[torch.dtype] = None,
     reader: Optional[str] = None,
+    nogds: Optional[bool] = None,
 ) -> Dict[str, torch.Tensor]:
     """Loads every tensor of one or more files into one dict.
 
@@ -39,7 +40,11 @@ def load(
             device; integer, bool and quantised (float8/float4) tensors keep their dtype.
         reader: "auto" (default: zero-copy mmap for files already in the page cache, parallel
             O_DIRECT reads otherwise), "direct" or "mmap". `$FASTSAFETENSORS_READER` sets the
-            default.
+            default. For CUDA targets it picks how files reach the pinned staging buffers:
+            "direct" (O_DIRECT), "mmap" (through the page cache), "auto" (per file).
+        nogds: CUDA only. None (default) uses GPUDirect Storage where the nvidia-fs driver
+            is loaded and falls back to the staged path otherwise; True never uses it; False
+            requires it and fails if a file cannot be read with it.
 
     The tensors own their memory: no handle needs closing, and a file's buffer is freed when
     the last tensor into it is gone.
@@ -47,7 +52,7 @@ def load(
     if isinstance(files, (str, os.PathLike)):
         files = [files]
     paths: List[str] = [os.fspath(f) for f in files]
-    tensors, read_paths = ops.load_with_report(paths, _device_name(device), dtype, reader)
+    tensors, read_paths = ops.load_with_report(paths, _device_name(device), dtype, reader, nogds)
     if logger.isEnabledFor(logging.DEBUG):
         for path, how in zip(paths, read_paths):
             logger.debug("%s: read with %s", path, how)
@@ -59,9 +64,10 @@ def load_file(
     device: Device = "cpu",
     dtype: Optional[torch.dtype] = None,
     reader: Optional[str] = None,
+    nogds: Optional[bool] = None,
 ) -> Dict[str, torch.Tensor]:
     """Loads one file, like `safetensors.torch.load_file`. See `load` for the arguments."""
-    return load([filename], device=device, dtype=dtype, reader=reader)
+    return load([filename], device=device, dtype=dtype, reader=reader, nogds=nogds)
 
 
 class safe_open:
@@ -77,12 +83,14 @@ class safe_open:
         framework: str = "pt",
         device: Device = "cpu",
         reader: Optional[str] = None,
+        nogds: Optional[bool] = None,
     ):
         if framework not in ("pt", "torch", "pytorch"):
             raise ValueError(f"framework {framework!r} is not supported: only 'pt' (PyTorch)")
         self._path = os.fspath(filename)
         self._device = _device_name(device)
         self._reader = reader
+        self._nogds = nogds
         names, dtypes, shapes, metadata = ops.describe(self._path)
         self._offset_keys: List[str] = list(names)
         self._dtypes = dict(zip(names, dtypes))
@@ -115,7 +123,7 @@ class safe_open:
         repeated calls return the same tensor (clone it before writing if that matters)."""
         self._check(name)
         if self._tensors is None:
-            self._tensors = load([self._path], device=self._device, reader=self._reader)
+            self._tensors = load([self._path], device=self._device, reader=self._reader, nogds=self._nogds)
         return self._tensors[name]
 
     def get_slice(self, name: str) -> "TensorSlice":

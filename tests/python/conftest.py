@@ -66,11 +66,11 @@ def medium_file(tmp_path):
     """An ~8 MiB checkpoint on the test's own directory (ext4 here), large enough for the
     page-cache policy to have many pages to look at. Returns (path, tensors)."""
     tensors = {
-        "a.weight": U.random_tensor(torch.bfloat16, (1024, 1024), 11),
-        "b.weight": U.random_tensor(torch.float32, (512, 1024), 12),
-        "b.bias": U.random_tensor(torch.float32, (1024,), 13),
+        "a.weight": U.finite_tensor(torch.bfloat16, (1024, 1024), 11),
+        "b.weight": U.finite_tensor(torch.float32, (512, 1024), 12),
+        "b.bias": U.finite_tensor(torch.float32, (1024,), 13),
         "c.ids": U.random_tensor(torch.int64, (1000,), 14),
-        "d.scalar": U.random_tensor(torch.float64, (), 15),
+        "d.scalar": U.finite_tensor(torch.float64, (), 15),
     }
     path = U.write_checkpoint(tmp_path / "medium.safetensors", tensors)
     return path, tensors

@@ -212,13 +212,16 @@ def make_cold(path) -> None:
     raise AssertionError(f"could not evict {path}: {resident_fraction(path):.2%} resident")
 
 
-def make_warm(path) -> None:
-    """Reads the whole file so every page is in the page cache."""
-    with open(path, "rb") as f:
-        while f.read(1 << 22):
-            pass
-    frac = resident_fraction(path)
-    assert frac == 1.0, f"{path} only {frac:.2%} resident after a full read"
+def make_warm(path, minimum: float = 0.99) -> None:
+    """Reads the whole file so (nearly) every page is in the page cache."""
+    for _ in range(3):
+        with open(path, "rb") as f:
+            while f.read(1 << 22):
+                pass
+        frac = resident_fraction(path)
+        if frac >= minimum:
+            return
+    raise AssertionError(f"{path} only {frac:.2%} resident after reading it")
 
 
 def supports_o_direct(directory) -> bool:

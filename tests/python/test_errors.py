@@ -221,7 +221,7 @@ def test_empty_object_file_loads_empty(tmp_path, reader):
     tensors, paths = ops.load_with_report([str(path)], "cpu", None, reader)
     assert tensors == {} and len(paths) == 1 and paths[0] in U.READ_PATHS
     assert ops.keys(str(path)) == []
-    assert ops.metadata(str(path)) == {}
+    assert ops.metadata(str(path)) is None
     assert fastsafetensors.load_file(path, reader=reader) == {}
 
 

@@ -140,7 +140,8 @@ def gib_checkpoint(tmp_path_factory):
     assert size > GiB - 16 * MiB
     meta = d / "expected.json"
     meta.write_text(json.dumps(expected))
-    return path, size, meta
+    yield path, size, meta
+    path.unlink()  # do not leave 1 GiB behind in the kept pytest temp dirs
 
 
 RSS_SCRIPT = r"""
