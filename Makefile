@@ -8,7 +8,7 @@ BUILT  := $(VENV)/.built
 SOURCES := $(shell find rust csrc python -name '*.rs' -o -name '*.cpp' -o -name '*.h' -o -name '*.py') \
            Cargo.toml Cargo.lock setup.py
 
-.PHONY: all venv build demo test test-rust test-python bench clean
+.PHONY: all venv build demo test test-rust test-python bench gpu-check clean
 
 all: build
 
@@ -44,6 +44,10 @@ test-python: build
 
 bench: build
 	$(PY) bench/bench.py $(BENCH_ARGS)
+
+# On a machine with a GPU: bit-exactness, memory accounting and throughput of the CUDA paths.
+gpu-check: build
+	$(PY) tests/gpu/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf target build python/fastsafetensors/_C*.so $(BUILT)

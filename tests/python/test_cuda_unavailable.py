@@ -1,0 +1,53 @@
+"""On machines without a GPU, CUDA targets fail at once with a clear error, never a hang,
+panic or abort. Each case runs in a fresh process with a time limit."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: see tests/gpu")
+
+CALLS = [
+    "fastsafetensors.load_file(path, device='cuda')",
+    "fastsafetensors.load([path], device='cuda:0', dtype=torch.float16)",
+    "fastsafetensors.load_file(path, device=0, nogds=False)",
+    "fastsafetensors.safe_open(path, device='cuda').get_tensor('w')",
+    "torch.ops.fastsafetensors.load([path], 'cuda', None, None, True)",
+]
+
+
+@pytest.mark.parametrize("call", CALLS)
+def test_cuda_without_a_driver_is_a_clear_error(tmp_path, call):
+    path = tmp_path / "m.safetensors"
+    save_file({"w": torch.ones(4)}, str(path))
+    script = textwrap.dedent(f"""
+        import time, torch, fastsafetensors
+        path = {str(path)!r}
+        start = time.monotonic()
+        try:
+            {call}
+        except RuntimeError as e:
+            print("ERROR:", e)
+            print("SECONDS:", time.monotonic() - start)
+        else:
+            print("NO ERROR")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "NO ERROR" not in done.stdout
+    assert "cannot load to cuda" in done.stdout and "CUDA" in done.stdout, done.stdout
+    seconds = float(done.stdout.split("SECONDS:")[1])
+    assert seconds < 1.0, f"took {seconds:.2f}s to fail"
+
+
+def test_unknown_device_is_rejected(tmp_path):
+    path = tmp_path / "m.safetensors"
+    save_file({"w": torch.ones(4)}, str(path))
+    import fastsafetensors
+
+    with pytest.raises(RuntimeError, match="only cpu and cuda"):
+        fastsafetensors.load_file(path, device="meta")
