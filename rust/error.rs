@@ -21,6 +21,12 @@ pub enum Error {
     /// The file ended before the bytes its header promises (it changed while being read).
     #[error("{}: file ended at byte {at}, but its header says it holds {expected} bytes (was it truncated while loading?)", .path.display())]
     Truncated { path: PathBuf, at: u64, expected: u64 },
+    /// The file's size or modification time changed while it was being loaded.
+    #[error("{}: file changed while it was being loaded ({len} bytes when opened, {now} now); load it again once it is complete", .path.display())]
+    Changed { path: PathBuf, len: u64, now: u64 },
+    /// The load would allocate more host memory than allowed or available.
+    #[error("loading needs {needed} bytes of host memory but {limit} bytes are {why}; set FASTSAFETENSORS_MAX_HOST_MEMORY (e.g. 64G) or load fewer files at once")]
+    OutOfMemory { needed: u64, limit: u64, why: &'static str },
     /// Two files hold a tensor of the same name.
     #[error("tensor '{name}' is in both {} and {}", .first.display(), .second.display())]
     DuplicateTensor { name: String, first: PathBuf, second: PathBuf },

@@ -20,7 +20,7 @@ use crate::device::StagingDevice;
 use crate::error::{Error, Result};
 use crate::format::Header;
 use crate::gds::{self, GdsMode, GdsOptions};
-use crate::io::{self, HostBuffer, ReadPath, ReaderKind, SourceFile};
+use crate::io::{self, budget, HostBuffer, HostRead, ReadPath, ReaderKind, SourceFile};
 use crate::plan::{self, Placement, IO_ALIGN};
 use crate::staged::{self, StagedFile, StagingOptions};
 
@@ -84,18 +84,27 @@ pub struct DeviceOptions {
 }
 
 impl Planned {
-    /// Reads all files into host memory, in parallel.
+    /// Reads all files into host memory, in parallel, once it is known that the memory
+    /// they need is there.
     pub fn read_to_host(self, options: &LoadOptions) -> Result<Loaded> {
-        let buffers = io::io_pool().install(|| {
+        let pool = io::io_pool();
+        let choices = pool.install(|| self.sources.par_iter().map(|s| s.choose(options.reader)).collect::<Result<Vec<_>>>())?;
+        let owned = (0..self.sources.len())
+            .filter(|&i| matches!(choices[i], HostRead::Direct))
+            .map(|i| self.device_len(i))
+            .sum();
+        budget::check(owned)?;
+        let buffers = pool.install(|| {
             self.sources
                 .par_iter()
-                .map(|src| src.read(options.reader, options.block).map(Arc::new))
+                .zip(choices)
+                .map(|(src, how)| src.read(how, options.block).map(Arc::new))
                 .collect::<Result<Vec<_>>>()
         })?;
         Ok(Loaded { buffers, tensors: self.tensors })
     }
 
-    /// Bytes of device memory file `i` needs: the file rounded up to whole read blocks.
+    /// Bytes of memory file `i` needs: the file rounded up to whole aligned reads.
     pub fn device_len(&self, i: usize) -> u64 {
         plan::align_up(self.sources[i].len, IO_ALIGN)
     }
@@ -143,6 +152,7 @@ impl Planned {
             })
             .collect::<Result<Vec<_>>>()?;
         let mut staged_paths = staged::copy_files(device, &staged_files, &options.staging)?.into_iter();
+        self.sources.iter().try_for_each(SourceFile::check_unchanged)?;
         Ok(paths.into_iter().map(|p| p.unwrap_or_else(|| staged_paths.next().expect("one path per staged file"))).collect())
     }
 }

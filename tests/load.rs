@@ -130,3 +130,37 @@ fn reader_names_parse_and_bad_ones_are_rejected() {
     let err = ReaderKind::resolve(Some("fast")).unwrap_err().to_string();
     assert!(err.contains("unknown reader 'fast'"), "{err}");
 }
+
+#[test]
+fn a_file_truncated_or_rewritten_after_planning_is_an_error_not_a_crash() {
+    let dir = TempDir::new("changed");
+    let bytes = safetensors(TENSORS, 8);
+    for reader in [ReaderKind::Mmap, ReaderKind::Direct, ReaderKind::Auto] {
+        let path = dir.write("t.safetensors", &bytes);
+        let planned = plan_files(&[path.clone()]).unwrap();
+        std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(100).unwrap();
+        let err = planned.read_to_host(&LoadOptions { reader, ..Default::default() }).err().unwrap();
+        assert!(matches!(err, Error::Changed { .. } | Error::Truncated { .. }), "{reader:?}: {err}");
+        assert!(err.to_string().contains("t.safetensors"), "{err}");
+    }
+    // Same size, new contents: caught by the modification time.
+    let path = dir.write("r.safetensors", &bytes);
+    let planned = plan_files(&[path.clone()]).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    std::fs::write(&path, &bytes).unwrap();
+    let err = planned.read_to_host(&LoadOptions::default()).err().unwrap();
+    assert!(matches!(err, Error::Changed { .. }), "{err}");
+}
+
+#[test]
+fn special_files_are_refused_without_blocking() {
+    let dir = TempDir::new("special");
+    let fifo = dir.0.join("pipe.safetensors");
+    let c_path = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+    for path in [fifo, PathBuf::from("/dev/zero"), dir.0.clone()] {
+        let err = plan_files(&[path.clone()]).err().unwrap();
+        assert!(matches!(err, Error::NotAFile { .. }), "{}: {err}", path.display());
+    }
+}

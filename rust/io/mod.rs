@@ -12,14 +12,16 @@
 //! [`ReaderKind::Auto`] picks per file: mmap when the file's pages are already resident,
 //! direct otherwise.
 
+pub mod budget;
 pub mod direct;
 pub mod mmap;
 
-use std::fs::File;
-use std::os::unix::fs::FileExt;
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::OnceLock;
+use std::time::SystemTime;
 
 use memmap2::MmapMut;
 
@@ -119,21 +121,46 @@ impl HostBuffer {
     }
 }
 
+/// How a file will be brought into host memory.
+pub enum HostRead {
+    /// Zero-copy: this mapping of the file.
+    Map(MmapMut),
+    /// Direct reads into memory allocated for the file (`align_up(len, 4096)` bytes).
+    Direct,
+}
+
 /// An open regular file and its size.
 pub struct SourceFile {
     pub path: PathBuf,
     pub file: File,
     pub len: u64,
+    modified: Option<SystemTime>,
 }
 
 impl SourceFile {
     pub fn open(path: &Path) -> Result<SourceFile> {
-        let file = File::open(path).map_err(|e| Error::io(path, "open", e))?;
+        // O_NONBLOCK so that a FIFO given by mistake is refused below instead of blocking
+        // the open until a writer appears; it changes nothing for regular files.
+        let file = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(path)
+            .map_err(|e| Error::io(path, "open", e))?;
         let meta = file.metadata().map_err(|e| Error::io(path, "stat", e))?;
         if !meta.is_file() {
             return Err(Error::NotAFile { path: path.to_owned() });
         }
-        Ok(SourceFile { path: path.to_owned(), file, len: meta.len() })
+        Ok(SourceFile { path: path.to_owned(), file, len: meta.len(), modified: meta.modified().ok() })
+    }
+
+    /// Fails if the file's size or modification time differ from when it was opened: its
+    /// bytes may then mix two versions of the file.
+    pub fn check_unchanged(&self) -> Result<()> {
+        let meta = self.file.metadata().map_err(|e| Error::io(&self.path, "stat", e))?;
+        if meta.len() != self.len || meta.modified().ok() != self.modified {
+            return Err(Error::Changed { path: self.path.clone(), len: self.len, now: meta.len() });
+        }
+        Ok(())
     }
 
     /// Reads and validates the header (two small reads; the data is not touched).
@@ -167,25 +194,30 @@ impl SourceFile {
         Ok(done)
     }
 
-    /// Brings the whole file into host memory with the reader `kind` asks for.
-    pub fn read(&self, kind: ReaderKind, block: u64) -> Result<HostBuffer> {
-        let mapped = |map| {
-            mmap::populate(&map);
-            HostBuffer { map, path: ReadPath::Mmap }
-        };
+    /// Decides how to bring the file into host memory: the reader `kind` asks for, or for
+    /// `Auto`, a mapping if the file is resident and direct reads otherwise.
+    pub fn choose(&self, kind: ReaderKind) -> Result<HostRead> {
         match kind {
-            ReaderKind::Mmap => Ok(mapped(mmap::map(self)?)),
-            ReaderKind::Direct => direct::read(self, block),
+            ReaderKind::Mmap => Ok(HostRead::Map(mmap::map(self)?)),
+            ReaderKind::Direct => Ok(HostRead::Direct),
             ReaderKind::Auto => {
                 let map = mmap::map(self)?;
-                if mmap::resident_fraction(&map) >= RESIDENT_THRESHOLD {
-                    Ok(mapped(map))
-                } else {
-                    drop(map);
-                    direct::read(self, block)
-                }
+                Ok(if mmap::resident_fraction(&map) >= RESIDENT_THRESHOLD { HostRead::Map(map) } else { HostRead::Direct })
             }
         }
+    }
+
+    /// Carries out `how`. Fails if the file changed meanwhile.
+    pub fn read(&self, how: HostRead, block: u64) -> Result<HostBuffer> {
+        let buffer = match how {
+            HostRead::Map(map) => {
+                mmap::populate(&map);
+                HostBuffer { map, path: ReadPath::Mmap }
+            }
+            HostRead::Direct => direct::read(self, block)?,
+        };
+        self.check_unchanged()?;
+        Ok(buffer)
     }
 
     /// Whether (nearly) all of the file is in the page cache, so reading it through the
