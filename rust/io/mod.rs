@@ -200,20 +200,14 @@ impl SourceFile {
         match kind {
             ReaderKind::Mmap => Ok(HostRead::Map(mmap::map(self)?)),
             ReaderKind::Direct => Ok(HostRead::Direct),
-            ReaderKind::Auto => {
-                let map = mmap::map(self)?;
-                Ok(if mmap::resident_fraction(&map) >= RESIDENT_THRESHOLD { HostRead::Map(map) } else { HostRead::Direct })
-            }
+            ReaderKind::Auto => Ok(if self.is_resident()? { HostRead::Map(mmap::map(self)?) } else { HostRead::Direct }),
         }
     }
 
     /// Carries out `how`. Fails if the file changed meanwhile.
     pub fn read(&self, how: HostRead, block: u64) -> Result<HostBuffer> {
         let buffer = match how {
-            HostRead::Map(map) => {
-                mmap::populate(&map);
-                HostBuffer { map, path: ReadPath::Mmap }
-            }
+            HostRead::Map(map) => HostBuffer { map, path: ReadPath::Mmap },
             HostRead::Direct => direct::read(self, block)?,
         };
         self.check_unchanged()?;
@@ -223,7 +217,7 @@ impl SourceFile {
     /// Whether (nearly) all of the file is in the page cache, so reading it through the
     /// cache beats O_DIRECT.
     pub fn is_resident(&self) -> Result<bool> {
-        Ok(mmap::resident_fraction(&mmap::map(self)?) >= RESIDENT_THRESHOLD)
+        Ok(mmap::resident_fraction(self)? >= RESIDENT_THRESHOLD)
     }
 }
 
