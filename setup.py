@@ -43,4 +43,6 @@ setup(
     cmdclass={"build_ext": BuildWithCargo},
     python_requires=">=3.9",
     install_requires=["torch>=2.5"],
+    # vLLM loads general plugins from this group: it adds the load format `fastsafetensors_rs`.
+    entry_points={"vllm.general_plugins": ["fastsafetensors_rs = fastsafetensors.vllm_plugin:register"]},
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Dict, Iterable, List, Optional, Union
 
 import torch
@@ -97,6 +98,9 @@ class safe_open:
         self._shapes = dict(zip(names, shapes))
         self._metadata = None if metadata is None else dict(metadata)
         self._tensors: Optional[Dict[str, torch.Tensor]] = None
+        self._closed = False
+        # transformers reads tensors from a thread pool: the first access loads once.
+        self._loading = threading.Lock()
 
     def __enter__(self) -> "safe_open":
         return self
@@ -106,6 +110,7 @@ class safe_open:
 
     def close(self) -> None:
         """Drops this handle's references; tensors already returned stay valid."""
+        self._closed = True
         self._tensors = None
 
     def keys(self) -> List[str]:
@@ -122,9 +127,12 @@ class safe_open:
         """The tensor `name`. All of the file is loaded on the first call, in one bulk read;
         repeated calls return the same tensor (clone it before writing if that matters)."""
         self._check(name)
-        if self._tensors is None:
-            self._tensors = load([self._path], device=self._device, reader=self._reader, nogds=self._nogds)
-        return self._tensors[name]
+        with self._loading:
+            if self._closed:
+                raise RuntimeError(f"{self._path}: the safe_open handle is closed")
+            if self._tensors is None:
+                self._tensors = load([self._path], device=self._device, reader=self._reader, nogds=self._nogds)
+            return self._tensors[name]
 
     def get_slice(self, name: str) -> "TensorSlice":
         self._check(name)

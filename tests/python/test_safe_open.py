@@ -11,6 +11,7 @@ from safetensors import safe_open as st_safe_open
 from safetensors.torch import load_file as st_load_file
 
 import fastsafetensors
+from safetensors.torch import save_file
 import fst_testutils as U
 
 safe_open = fastsafetensors.safe_open
@@ -225,3 +226,35 @@ def test_safe_open_does_not_cast_or_rename(multi_file_model):
             for name, t in shard.items():
                 U.assert_same_tensor(f.get_tensor(name), t, name)
             assert f.metadata()["format"] == "pt"
+
+
+def test_first_access_from_many_threads_loads_once(tmp_path, monkeypatch):
+    import threading
+
+    import fastsafetensors.api as api
+
+    path = tmp_path / "threads.safetensors"
+    save_file({f"w{i}": torch.full((64,), float(i)) for i in range(16)}, str(path))
+    calls = []
+    real_load = api.load
+    monkeypatch.setattr(api, "load", lambda *a, **k: calls.append(1) or real_load(*a, **k))
+    handle = fastsafetensors.safe_open(path)
+    results = {}
+    threads = [threading.Thread(target=lambda n=n: results.__setitem__(n, handle.get_tensor(n))) for n in handle.keys()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1, f"the file was loaded {len(calls)} times"
+    assert all(torch.equal(results[f"w{i}"], torch.full((64,), float(i))) for i in range(16))
+
+
+def test_get_tensor_after_close_raises(tmp_path):
+    path = tmp_path / "closed.safetensors"
+    save_file({"w": torch.ones(3)}, str(path))
+    handle = fastsafetensors.safe_open(path)
+    kept = handle.get_tensor("w")
+    handle.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        handle.get_tensor("w")
+    assert torch.equal(kept, torch.ones(3))

@@ -1,0 +1,82 @@
+"""Fake (meta) kernels, so that FakeTensorMode, `make_fx`, `torch.export` and `torch.compile`
+can trace code that calls the ops without reading any tensor data.
+
+`fastsafetensors::load` has no tensor inputs: its outputs follow from the files' headers
+alone. The fake kernel reads each header with `describe` (a few KiB, no data) and returns
+empty tensors of the shapes and dtypes `load` would return, on the requested device, with
+the same `dtype=` casting rule. `keys`, `metadata` and `describe` return no tensors and run
+as they are under fake modes. `load_with_report` has no fake kernel: how each file will be
+read (its second output) is decided at run time and cannot be known from the headers.
+
+Under `torch.compile`, a call to `load` is a graph break (Dynamo cannot put an op that
+returns a dict into its graph); the code around it is compiled. `make_fx` and
+`torch.export(..., strict=False)` record the op as a node of the graph.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Optional
+
+import torch
+
+from ._dtypes import CASTABLE, DTYPES, torch_shape
+from ._ops import ops
+
+__all__ = ["register_fake_kernels"]
+
+logger = logging.getLogger("fastsafetensors")
+
+_registered = False
+
+
+def _target_device(device: str) -> torch.device:
+    target = torch.device(device)
+    if target.type not in ("cpu", "cuda"):
+        raise RuntimeError(f"fastsafetensors: cannot load to device '{device}' (only cpu and cuda)")
+    if target.type == "cuda" and target.index is None:
+        # The real op loads to the current device.
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        target = torch.device("cuda", index)
+    return target
+
+
+def fake_load(
+    files: List[str],
+    device: str = "cpu",
+    dtype: Optional[torch.dtype] = None,
+    reader: Optional[str] = None,
+    nogds: Optional[bool] = None,
+) -> Dict[str, torch.Tensor]:
+    """What `fastsafetensors::load` returns, as empty tensors derived from the headers."""
+    target = _target_device(device)
+    out: Dict[str, torch.Tensor] = {}
+    origin: Dict[str, str] = {}
+    for path in files:
+        names, dtypes, shapes, _ = ops.describe(path)  # header only; validates it
+        for name, st_dtype, shape in zip(names, dtypes, shapes):
+            if name in out:
+                raise RuntimeError(f"tensor '{name}' is in both {origin[name]} and {path}")
+            if st_dtype not in DTYPES:
+                raise RuntimeError(f"{path}: tensor '{name}': dtype {st_dtype} has no torch equivalent")
+            if st_dtype == "F4" and (not shape or shape[-1] % 2):
+                raise RuntimeError(
+                    f"{path}: tensor '{name}': F4 needs an even last dimension to load as torch.float4_e2m1fn_x2")
+            torch_dtype = DTYPES[st_dtype][0]
+            if dtype is not None and torch_dtype in CASTABLE:
+                torch_dtype = dtype
+            out[name] = torch.empty(torch_shape(st_dtype, shape), dtype=torch_dtype, device=target)
+            origin[name] = path
+    return out
+
+
+def register_fake_kernels() -> None:
+    """Registers the fake kernels (once per process)."""
+    global _registered
+    if _registered:
+        return
+    try:
+        torch.library.register_fake("fastsafetensors::load")(fake_load)
+    except RuntimeError as e:  # one is registered already (e.g. by the extension itself)
+        logger.debug("fake kernel for fastsafetensors::load not registered: %s", e)
+    _registered = True

@@ -1,0 +1,496 @@
+"""`python -m fastsafetensors`: inspect, verify and benchmark .safetensors checkpoints.
+
+    python -m fastsafetensors inspect model/                 # dtypes, shapes, sizes, metadata
+    python -m fastsafetensors verify model/*.safetensors     # full check; exit 1 on a bad file
+    python -m fastsafetensors bench model/ --repeat 3        # this loader vs safetensors
+    python -m fastsafetensors inspect --json model/ | jq .totals
+
+A PATH is a file, a directory (its `model.safetensors.index.json` if there is one, else all of
+its `*.safetensors`) or an index file. `--json` prints one JSON document on stdout. Progress
+bars (stderr, only for work longer than a second) are on unless `--no-progress` or
+`FASTSAFETENSORS_PROGRESS=0`; `-v` shows the loader's decisions (how each file was read).
+Exit status: 0 when every file is valid, 1 when one is not, 2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import logging
+import mmap
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import api
+from ._dtypes import DTYPES, nbytes, numel
+from ._logging import enable_logging
+from ._ops import ops
+from .progress import ByteProgress, progress, progress_enabled
+
+logger = logging.getLogger("fastsafetensors")
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+class UsageError(Exception):
+    """A problem with the command line itself (exit status 2)."""
+
+
+# ---------------------------------------------------------------------------- paths
+
+
+@dataclass
+class Checkpoint:
+    """The files one PATH argument stands for, and the index that listed them, if any.
+    Tensor names must be unique within a checkpoint, not across them."""
+
+    arg: str
+    files: List[str] = field(default_factory=list)
+    index: Optional[str] = None
+
+
+def _index_files(index_path: str) -> List[str]:
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            index = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{index_path}: cannot read the index: {e}") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise UsageError(f"{index_path}: not a safetensors index (no weight_map)")
+    folder = os.path.dirname(index_path)
+    return sorted({os.path.join(folder, name) for name in weight_map.values()})
+
+
+def expand_paths(paths: Sequence[str]) -> List[Checkpoint]:
+    """Turns files, directories and index files into checkpoints (lists of files)."""
+    out = []
+    for path in paths:
+        if os.path.isdir(path):
+            index = os.path.join(path, INDEX_NAME)
+            if os.path.isfile(index):
+                out.append(Checkpoint(path, _index_files(index), index))
+                continue
+            found = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+            if not found:
+                raise UsageError(f"{path}: no .safetensors files in this directory")
+            out.append(Checkpoint(path, found))
+        elif path.endswith(".index.json"):
+            if not os.path.isfile(path):
+                raise UsageError(f"{path}: no such file")
+            out.append(Checkpoint(path, _index_files(path), path))
+        else:
+            out.append(Checkpoint(path, [path]))  # a missing file is reported per file
+    return out
+
+
+def _describe_all(ckpts: List[Checkpoint]) -> List[Dict[str, Any]]:
+    """describe_file() of every file, once per file even if named twice."""
+    seen: Dict[str, Dict[str, Any]] = {}
+    for c in ckpts:
+        for p in c.files:
+            if p not in seen:
+                seen[p] = describe_file(p)
+    return list(seen.values())
+
+
+# ---------------------------------------------------------------------------- inspect
+
+
+def describe_file(path: str) -> Dict[str, Any]:
+    """Header facts of one file (no tensor data is read) and whether the header is valid."""
+    info: Dict[str, Any] = {"path": path, "valid": False, "error": None}
+    try:
+        info["file_bytes"] = os.path.getsize(path)
+        names, dtypes, shapes, metadata = ops.describe(path)
+    except (OSError, RuntimeError) as e:
+        info["error"] = str(e)
+        return info
+    tensors = []
+    by_dtype: Dict[str, Dict[str, int]] = {}
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        size = nbytes(dtype, shape)
+        tensors.append({"name": name, "dtype": dtype, "shape": list(shape), "bytes": size})
+        agg = by_dtype.setdefault(dtype, {"tensors": 0, "elements": 0, "bytes": 0})
+        agg["tensors"] += 1
+        agg["elements"] += numel(shape)
+        agg["bytes"] += size
+    data_bytes = sum(t["bytes"] for t in tensors)
+    info.update({
+        "valid": True,
+        "header_bytes": info["file_bytes"] - data_bytes - 8,
+        "metadata": None if metadata is None else dict(metadata),
+        "tensors": tensors,
+        "totals": {"tensors": len(tensors), "elements": sum(a["elements"] for a in by_dtype.values()),
+                   "bytes": data_bytes, "by_dtype": by_dtype},
+    })
+    return info
+
+
+def _merge_totals(files: List[Dict[str, Any]]) -> Dict[str, Any]:
+    by_dtype: Dict[str, Dict[str, int]] = {}
+    for f in files:
+        for dtype, agg in f.get("totals", {}).get("by_dtype", {}).items():
+            into = by_dtype.setdefault(dtype, {"tensors": 0, "elements": 0, "bytes": 0})
+            for k in into:
+                into[k] += agg[k]
+    return {
+        "files": len(files),
+        "tensors": sum(a["tensors"] for a in by_dtype.values()),
+        "elements": sum(a["elements"] for a in by_dtype.values()),
+        "bytes": sum(a["bytes"] for a in by_dtype.values()),
+        "file_bytes": sum(f.get("file_bytes", 0) for f in files),
+        "by_dtype": by_dtype,
+    }
+
+
+def _check_names(ckpts: List[Checkpoint], files: List[Dict[str, Any]]) -> List[str]:
+    """Problems within each checkpoint: a tensor name in two of its files; an index that
+    disagrees with the files it lists."""
+    problems = []
+    info = {f["path"]: f for f in files}
+    for c in ckpts:
+        owner: Dict[str, str] = {}
+        for path in c.files:
+            for t in info[path].get("tensors", []):
+                if t["name"] in owner:
+                    problems.append(f"tensor '{t['name']}' is in both {owner[t['name']]} and {path}")
+                else:
+                    owner[t["name"]] = path
+        if c.index is None:
+            continue
+        with open(c.index, encoding="utf-8") as fh:
+            weight_map = json.load(fh)["weight_map"]
+        folder = os.path.dirname(c.index)
+        for name, shard in weight_map.items():
+            path = os.path.join(folder, shard)
+            if info[path]["valid"] and owner.get(name) != path:
+                where = f"it is in {owner[name]}" if name in owner else "no file has it"
+                problems.append(f"{c.index}: maps '{name}' to {shard}, but {where}")
+        for name, path in owner.items():
+            if name not in weight_map:
+                problems.append(f"{c.index}: does not list tensor '{name}' of {path}")
+    return problems
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"  # unreachable
+
+
+def cmd_inspect(args: argparse.Namespace) -> Tuple[Dict[str, Any], bool]:
+    ckpts = expand_paths(args.paths)
+    files = _describe_all(ckpts)
+    problems = _check_names(ckpts, files)
+    ok = all(f["valid"] for f in files) and not problems
+    result = {"command": "inspect", "valid": ok, "files": files, "indexes": [c.index for c in ckpts if c.index],
+              "problems": problems, "totals": _merge_totals(files)}
+    if not args.json:
+        for f in files:
+            _print_file(f, show_tensors=not args.summary)
+        _print_totals(result["totals"])
+        for p in problems:
+            print(f"problem: {p}")
+        print("valid" if ok else "INVALID")
+    return result, ok
+
+
+def _print_file(f: Dict[str, Any], show_tensors: bool) -> None:
+    print(f"{f['path']}")
+    if not f["valid"]:
+        print(f"  INVALID: {f['error']}")
+        return
+    totals = f["totals"]
+    print(f"  {totals['tensors']} tensors, {_human(totals['bytes'])} of data, "
+          f"header {_human(f['header_bytes'])}, file {_human(f['file_bytes'])}")
+    if f["metadata"]:
+        print("  metadata: " + ", ".join(f"{k}={v}" for k, v in sorted(f["metadata"].items())))
+    if show_tensors and f["tensors"]:
+        width = max(len(t["name"]) for t in f["tensors"])
+        for t in f["tensors"]:
+            print(f"    {t['name']:<{width}}  {t['dtype']:<11} {str(t['shape']):<20} {_human(t['bytes'])}")
+
+
+def _print_totals(totals: Dict[str, Any]) -> None:
+    print(f"total: {totals['files']} file(s), {totals['tensors']} tensors, "
+          f"{totals['elements']:,} elements, {_human(totals['bytes'])}")
+    for dtype, agg in sorted(totals["by_dtype"].items()):
+        print(f"  {dtype:<11} {agg['tensors']:>6} tensors {agg['elements']:>16,} elements {_human(agg['bytes']):>12}")
+
+
+# ---------------------------------------------------------------------------- verify
+
+
+def cmd_verify(args: argparse.Namespace) -> Tuple[Dict[str, Any], bool]:
+    """Header rules, then every byte of every tensor read, then the cross-file checks."""
+    ckpts = expand_paths(args.paths)
+    files = _describe_all(ckpts)
+    show = progress_enabled(args.progress, default=True)
+    total = sum(f.get("file_bytes", 0) for f in files)
+    with ByteProgress(show, desc="verifying", total=total) as bar:
+        for f in files:
+            if f["valid"]:
+                _verify_data(f, args)
+            bar.update(f.get("file_bytes", 0))
+    problems = _check_names(ckpts, files)
+    ok = all(f["valid"] for f in files) and not problems
+    result = {"command": "verify", "valid": ok, "indexes": [c.index for c in ckpts if c.index], "problems": problems,
+              "files": [{k: f.get(k) for k in ("path", "valid", "error", "read_path", "file_bytes")}
+                        for f in files]}
+    if not args.json:
+        for f in files:
+            how = f" (read: {f['read_path']})" if f.get("read_path") else ""
+            print(f"{'ok' if f['valid'] else 'FAILED'}  {f['path']}{how}")
+            if f["error"]:
+                print(f"    {f['error']}")
+        for p in problems:
+            print(f"problem: {p}")
+        n_bad = sum(not f["valid"] for f in files)
+        print(f"{len(files) - n_bad} of {len(files)} file(s) valid" + (f", {len(problems)} problem(s)" if problems else ""))
+    return result, ok
+
+
+def _verify_data(f: Dict[str, Any], args: argparse.Namespace) -> None:
+    """Reads the whole file through the loader and checks what came back against the header."""
+    try:
+        tensors, read_paths = ops.load_with_report([f["path"]], _device(args.device), None,
+                                                   args.reader, None)
+    except RuntimeError as e:
+        f.update(valid=False, error=str(e))
+        return
+    f["read_path"] = read_paths[0] if read_paths else None
+    logger.debug("%s: read with %s", f["path"], f["read_path"])
+    for t in f["tensors"]:
+        got = tensors.get(t["name"])
+        want_dtype = DTYPES[t["dtype"]][0]
+        if got is None or got.dtype != want_dtype or got.numel() * got.element_size() != t["bytes"]:
+            f.update(valid=False, error=f"{f['path']}: tensor '{t['name']}' did not load as its header says")
+            return
+    if len(tensors) != len(f["tensors"]):
+        f.update(valid=False, error=f"{f['path']}: loaded {len(tensors)} tensors, header has {len(f['tensors'])}")
+
+
+# ---------------------------------------------------------------------------- bench
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+
+def resident_fraction(path: str) -> Optional[float]:
+    """Fraction of the file's pages in the page cache (mincore), or None if unknown."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return 1.0
+    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return None
+        try:
+            vec = (ctypes.c_ubyte * pages)()
+            if _libc.mincore(addr, size, vec) != 0:
+                return None
+            return sum(b & 1 for b in vec) / pages
+        finally:
+            _libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def evict(path: str) -> None:
+    """Drops a file's pages from the page cache (no root needed for clean pages)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def warm(path: str) -> None:
+    with open(path, "rb") as f:
+        while f.read(1 << 24):
+            pass
+
+
+def touch(tensors: Dict[str, torch.Tensor]) -> None:
+    """Reads one byte of every page of every tensor, so lazily mapped data is really loaded
+    (safetensors maps files; the time of a load that reads nothing means little)."""
+    cuda = False
+    for t in tensors.values():
+        if t.numel() == 0:
+            continue
+        if t.is_cuda:
+            cuda = True
+            continue
+        t.reshape(-1).view(torch.uint8)[::4096].sum()
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def _device(name: str) -> str:
+    try:
+        return str(torch.device(name))
+    except RuntimeError as e:
+        raise UsageError(f"--device: {e}") from None
+
+
+def _loaders(args: argparse.Namespace) -> Dict[str, Callable[[List[str]], Dict[str, torch.Tensor]]]:
+    device = _device(args.device)
+    loaders: Dict[str, Callable[[List[str]], Dict[str, torch.Tensor]]] = {
+        "fastsafetensors": lambda files: api.load(files, device=device, reader=args.reader),
+    }
+    if not args.no_safetensors:
+        try:
+            from safetensors.torch import load_file as st_load_file
+        except ImportError:
+            print("safetensors is not installed: benchmarking fastsafetensors alone", file=sys.stderr)
+        else:
+            def st_load(files: List[str]) -> Dict[str, torch.Tensor]:
+                out: Dict[str, torch.Tensor] = {}
+                for f in files:
+                    out.update(st_load_file(f, device=device))
+                return out
+            loaders["safetensors"] = st_load
+    return loaders
+
+
+def cmd_bench(args: argparse.Namespace) -> Tuple[Dict[str, Any], bool]:
+    files = _describe_all(expand_paths(args.paths))
+    bad = [f for f in files if not f["valid"]]
+    if bad:
+        for f in bad:
+            print(f"INVALID {f['path']}: {f['error']}", file=sys.stderr)
+        return {"command": "bench", "valid": False, "files": [f["path"] for f in files]}, False
+    paths = [f["path"] for f in files]
+    total = sum(f["file_bytes"] for f in files)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in modes:
+        if m not in ("cold", "warm"):
+            raise UsageError(f"--modes: unknown mode {m!r} (cold, warm)")
+    loaders = _loaders(args)
+    runs = [(mode, name) for mode in modes for _ in range(args.repeat) for name in loaders]
+    seconds: Dict[Tuple[str, str], List[float]] = {}
+    notes: List[str] = []
+    show = progress_enabled(args.progress, default=True)
+    for mode, name in progress(runs, show, desc="benchmarking", unit="run"):
+        for p in paths:
+            if mode == "cold":
+                evict(p)
+            else:
+                warm(p)
+        if mode == "cold":
+            resident = [resident_fraction(p) for p in paths]
+            if any(r is not None and r > 0.05 for r in resident):
+                notes.append(f"cold run of {name}: files still partly cached after eviction")
+        gc.collect()
+        start = time.perf_counter()
+        tensors = loaders[name](paths)
+        touch(tensors)
+        seconds.setdefault((mode, name), []).append(time.perf_counter() - start)
+        del tensors
+    results = []
+    for (mode, name), times in seconds.items():
+        med = statistics.median(times)
+        results.append({"mode": mode, "loader": name, "seconds": times, "median_s": med,
+                        "gb_per_s": total / med / 1e9 if med > 0 else None})
+    for mode in modes:
+        ours = seconds.get((mode, "fastsafetensors"))
+        theirs = seconds.get((mode, "safetensors"))
+        if ours and theirs:
+            for r in results:
+                if r["mode"] == mode and r["loader"] == "fastsafetensors":
+                    r["speedup_vs_safetensors"] = statistics.median(theirs) / statistics.median(ours)
+    result = {"command": "bench", "valid": True, "files": paths, "bytes": total, "device": str(args.device),
+              "reader": args.reader or os.environ.get("FASTSAFETENSORS_READER") or "auto",
+              "repeat": args.repeat, "results": results, "notes": sorted(set(notes))}
+    if not args.json:
+        print(f"{len(paths)} file(s), {_human(total)}, device {args.device}, reader {result['reader']}, "
+              f"median of {args.repeat}")
+        for r in results:
+            extra = f"  ({r['speedup_vs_safetensors']:.2f}x safetensors)" if "speedup_vs_safetensors" in r else ""
+            print(f"  {r['mode']:<5} {r['loader']:<16} {r['median_s'] * 1e3:10.1f} ms  {r['gb_per_s']:8.2f} GB/s{extra}")
+        for n in result["notes"]:
+            print(f"note: {n}")
+    return result, True
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m fastsafetensors",
+        description="Inspect, verify and benchmark .safetensors checkpoints.",
+    )
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("paths", nargs="+", metavar="PATH",
+                        help="a .safetensors file, a directory or a model.safetensors.index.json")
+    common.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    common.add_argument("-v", "--verbose", action="store_true", help="log the loader's decisions to stderr")
+    bars = common.add_mutually_exclusive_group()
+    bars.add_argument("--progress", dest="progress", action="store_true", default=None,
+                      help="show progress bars (default, unless FASTSAFETENSORS_PROGRESS=0)")
+    bars.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("inspect", parents=[common], help="dtypes, shapes, sizes, metadata, totals (header only)")
+    p.add_argument("--summary", action="store_true", help="totals only, no per-tensor listing")
+    p.set_defaults(run=cmd_inspect)
+
+    loading = argparse.ArgumentParser(add_help=False)
+    loading.add_argument("--device", default="cpu", help="where to load (cpu, cuda, cuda:N); default cpu")
+    loading.add_argument("--reader", choices=["auto", "direct", "mmap"], default=None,
+                         help="the loader's reader (default: $FASTSAFETENSORS_READER, else auto)")
+
+    p = sub.add_parser("verify", parents=[common, loading],
+                       help="check every format rule and read every byte; exit 1 on a bad file")
+    p.set_defaults(run=cmd_verify)
+
+    p = sub.add_parser("bench", parents=[common, loading],
+                       help="load throughput of fastsafetensors vs safetensors, cold and warm")
+    p.add_argument("--repeat", type=int, default=3, help="runs per loader and mode (median reported)")
+    p.add_argument("--modes", default="cold,warm", help="comma-separated: cold (page cache evicted), warm")
+    p.add_argument("--no-safetensors", action="store_true", help="time fastsafetensors only")
+    p.set_defaults(run=cmd_bench)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    if args.verbose:
+        enable_logging("debug")
+    if getattr(args, "repeat", 1) < 1:
+        parser.error("--repeat must be at least 1")
+    try:
+        result, ok = args.run(args)
+    except UsageError as e:
+        print(f"{parser.prog} {args.command}: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        try:
+            json.dump(result, sys.stdout, indent=2)
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        except BrokenPipeError:  # e.g. piped into `head`
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0 if ok else 1

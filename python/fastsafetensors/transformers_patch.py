@@ -1,0 +1,220 @@
+"""Routes HuggingFace transformers' `.safetensors` reading through fastsafetensors.
+
+    import fastsafetensors
+    from transformers import AutoModelForCausalLM
+
+    with fastsafetensors.patched_transformers():
+        model = AutoModelForCausalLM.from_pretrained("path/to/model", dtype=torch.bfloat16)
+
+    fastsafetensors.patch_transformers()      # or for the whole process ...
+    fastsafetensors.unpatch_transformers()    # ... until undone
+
+transformers (4.57 and 5.x) reads checkpoints through `safetensors.safe_open`, imported into
+its own modules: `transformers.modeling_utils` (both versions), `transformers.modeling_layers`
+(5.x, multi-token-prediction heads) and `transformers.integrations.accelerate` (5.x, disk
+offload). `load_sharded_checkpoint` (4.x: `transformers.modeling_utils`, 5.x:
+`transformers.trainer_utils`, used by `Trainer` to resume) reads with
+`safetensors.torch.load_file`. The patch
+replaces those names, in those modules only, with fastsafetensors equivalents:
+
+- opening a file reads only its header (names, dtypes, shapes, metadata);
+- the first tensor or slice access loads the whole file in one bulk read, on the device
+  transformers asks for (4.x: the `device_map` device when the map has a single entry; 5.x:
+  the CPU, then transformers moves each tensor itself); later accesses are views into it;
+- a handle is safe to use from several threads (5.x materialises tensors from a thread pool):
+  the file is still read exactly once.
+
+Everything transformers does after reading is untouched: `dtype`/`torch_dtype` casts,
+`device_map` placement (cpu, cuda, "auto"), sharded checkpoints with
+`model.safetensors.index.json`, weight renaming, quantizers. Requests the loader cannot serve
+(another framework than PyTorch, a device other than cpu/cuda such as "mps") go to the
+original safetensors functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import threading
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from . import api
+from .api import Device, PathLike
+
+logger = logging.getLogger("fastsafetensors")
+
+__all__ = ["patch_transformers", "unpatch_transformers", "patched_transformers", "is_transformers_patched"]
+
+# (module, attribute, kind): the names transformers reads safetensors through. Modules or
+# attributes a given version lacks are skipped.
+PATCH_POINTS: Tuple[Tuple[str, str, str], ...] = (
+    ("transformers.modeling_utils", "safe_open", "safe_open"),
+    ("transformers.modeling_layers", "safe_open", "safe_open"),
+    ("transformers.integrations.accelerate", "safe_open", "safe_open"),
+    ("transformers.modeling_utils", "safe_load_file", "load_file"),
+    ("transformers.trainer_utils", "safe_load_file", "load_file"),
+)
+
+_lock = threading.RLock()
+_originals: Dict[Tuple[str, str], Any] = {}  # what each patched name held before
+_options: Dict[str, Any] = {}
+
+
+class PatchedSafeOpen(api.safe_open):
+    """`fastsafetensors.safe_open` as transformers uses it: accepts safetensors' `backend=`
+    keyword and ignores it (the loader picks its reader per file), adds `get_tensors()`,
+    and loads the file once even when several threads ask for tensors at the same time."""
+
+    def __init__(self, filename: PathLike, framework: str = "pt", device: Device = "cpu",
+                 backend: Optional[str] = None, reader: Optional[str] = None, nogds: Optional[bool] = None):
+        super().__init__(filename, framework=framework, device=device, reader=reader, nogds=nogds)
+        self._load_lock = threading.Lock()
+        logger.debug("%s: opened for transformers (header only; loads to %s on first access)",
+                     os.fspath(filename), device)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        with self._load_lock:  # the first call loads the file; the others wait for it
+            return super().get_tensor(name)
+
+    def get_tensors(self) -> Dict[str, torch.Tensor]:
+        """Every tensor of the file, in offset order (one bulk read)."""
+        return {name: self.get_tensor(name) for name in self.offset_keys()}
+
+
+def _servable(framework: str, device: Device) -> bool:
+    if framework not in ("pt", "torch", "pytorch"):
+        return False
+    if isinstance(device, int):
+        return True
+    try:
+        return torch.device(device).type in ("cpu", "cuda")
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _make_safe_open(original: Callable[..., Any]) -> Callable[..., Any]:
+    def safe_open(filename: PathLike, framework: str = "pt", device: Device = "cpu", *args, **kwargs):
+        backend = kwargs.pop("backend", None)
+        if args or kwargs or not _servable(framework, device):
+            logger.debug("%s: framework=%r device=%r: read by safetensors", os.fspath(filename), framework, device)
+            if backend is not None:
+                kwargs["backend"] = backend
+            return original(filename, framework, device, *args, **kwargs)
+        return PatchedSafeOpen(filename, framework=framework, device=device, backend=backend, **_options)
+
+    safe_open.__doc__ = "fastsafetensors' stand-in for safetensors.safe_open (see fastsafetensors.transformers_patch)."
+    safe_open.__wrapped__ = original  # type: ignore[attr-defined]
+    safe_open._fastsafetensors = True  # type: ignore[attr-defined]
+    return safe_open
+
+
+def _make_load_file(original: Callable[..., Any]) -> Callable[..., Any]:
+    def load_file(filename: PathLike, device: Device = "cpu") -> Dict[str, torch.Tensor]:
+        if not _servable("pt", device):
+            return original(filename, device=device)
+        return api.load_file(filename, device=device, **_options)
+
+    load_file.__doc__ = "fastsafetensors' stand-in for safetensors.torch.load_file."
+    load_file.__wrapped__ = original  # type: ignore[attr-defined]
+    load_file._fastsafetensors = True  # type: ignore[attr-defined]
+    return load_file
+
+
+_FACTORIES = {"safe_open": _make_safe_open, "load_file": _make_load_file}
+
+
+def _import_transformers() -> None:
+    try:
+        importlib.import_module("transformers")
+    except ImportError as e:
+        raise ImportError("fastsafetensors.patch_transformers() needs transformers (pip install transformers)") from e
+
+
+def _targets() -> List[Tuple[Any, str, str]]:
+    found = []
+    for module_name, attr, kind in PATCH_POINTS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        if hasattr(module, attr):
+            found.append((module, attr, kind))
+    return found
+
+
+def is_transformers_patched() -> bool:
+    """Whether `patch_transformers()` is in effect."""
+    with _lock:
+        return bool(_originals)
+
+
+def patch_transformers(reader: Optional[str] = None, nogds: Optional[bool] = None) -> List[str]:
+    """Makes transformers read `.safetensors` files through fastsafetensors, process-wide.
+
+    Args:
+        reader: the loader's reader for every file ("auto", "direct", "mmap"); None keeps the
+            default (`$FASTSAFETENSORS_READER`, else "auto").
+        nogds: for CUDA loads, as in `fastsafetensors.load`.
+
+    Returns the patched names ("module.attribute"). Calling it again only updates the
+    options. Undo with `unpatch_transformers()`. Raises ImportError without transformers.
+    """
+    _import_transformers()
+    with _lock:
+        _options.clear()
+        _options.update({k: v for k, v in (("reader", reader), ("nogds", nogds)) if v is not None})
+        patched = []
+        for module, attr, kind in _targets():
+            key = (module.__name__, attr)
+            current = getattr(module, attr)
+            if key not in _originals:
+                if getattr(current, "_fastsafetensors", False):
+                    continue  # patched by an earlier copy of this module; leave it
+                _originals[key] = current
+                setattr(module, attr, _FACTORIES[kind](current))
+            patched.append(f"{module.__name__}.{attr}")
+        if not patched:
+            import transformers
+
+            raise RuntimeError(
+                f"fastsafetensors: found nothing to patch in transformers {transformers.__version__} "
+                f"(looked for {', '.join(m + '.' + a for m, a, _ in PATCH_POINTS)})")
+        logger.debug("transformers patched: %s (options %s)", ", ".join(patched), _options or "default")
+        return patched
+
+
+def unpatch_transformers() -> None:
+    """Restores transformers' own safetensors functions. A no-op when not patched."""
+    with _lock:
+        for (module_name, attr), original in _originals.items():
+            module = importlib.import_module(module_name)
+            setattr(module, attr, original)
+        if _originals:
+            logger.debug("transformers unpatched")
+        _originals.clear()
+        _options.clear()
+
+
+@contextlib.contextmanager
+def patched_transformers(reader: Optional[str] = None, nogds: Optional[bool] = None) -> Iterator[None]:
+    """`patch_transformers()` for the duration of a `with` block.
+
+    On exit the previous state comes back: if transformers was already patched globally, it
+    stays patched (with its previous options)."""
+    with _lock:
+        was_patched = bool(_originals)
+        previous = dict(_options)
+        patch_transformers(reader=reader, nogds=nogds)
+    try:
+        yield
+    finally:
+        with _lock:
+            if was_patched:
+                _options.clear()
+                _options.update(previous)
+            else:
+                unpatch_transformers()

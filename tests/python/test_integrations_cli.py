@@ -1,0 +1,253 @@
+"""`python -m fastsafetensors`: inspect, verify and bench, human and --json output, exit status."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastsafetensors.progress as fst_progress
+import fst_testutils as U
+from fastsafetensors import cli
+
+
+def run(capsys, *argv):
+    """Runs the CLI in-process; returns (exit status, stdout, stderr)."""
+    rc = cli.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def run_json(capsys, *argv):
+    rc, out, err = run(capsys, *argv, "--json")
+    return rc, json.loads(out), err
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    """A sharded model directory with its index. Returns (dir, {file name: tensors})."""
+    d = tmp_path / "model"
+    d.mkdir()
+    shards = {
+        "model-00001-of-00002.safetensors": {
+            "embed.weight": U.finite_tensor(torch.bfloat16, (64, 16), 1),
+            "layers.0.weight": U.finite_tensor(torch.float32, (16, 16), 2),
+        },
+        "model-00002-of-00002.safetensors": {
+            "layers.1.weight": U.random_tensor(torch.float8_e4m3fn, (16, 16), 3),
+            "layers.1.scale": U.finite_tensor(torch.float32, (), 4),
+            "packed": U.random_tensor(torch.float4_e2m1fn_x2, (4, 4), 5),
+            "ids": torch.arange(7, dtype=torch.int64),
+        },
+    }
+    weight_map = {}
+    for fname, tensors in shards.items():
+        U.write_checkpoint(d / fname, tensors, metadata={"format": "pt"})
+        weight_map.update({k: fname for k in tensors})
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return d, shards
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+# ------------------------------------------------------------------------ inspect
+
+
+def test_inspect_json_reports_the_headers(capsys, model_dir):
+    d, shards = model_dir
+    rc, doc, _ = run_json(capsys, "inspect", d)
+    assert rc == 0 and doc["valid"] is True and doc["problems"] == []
+    assert [Path(f["path"]).name for f in doc["files"]] == sorted(shards)
+    assert doc["indexes"] == [str(d / "model.safetensors.index.json")]
+    total_bytes = 0
+    for f in doc["files"]:
+        tensors = shards[Path(f["path"]).name]
+        assert f["metadata"] == {"format": "pt"}
+        assert f["file_bytes"] == os.path.getsize(f["path"])
+        by_name = {t["name"]: t for t in f["tensors"]}
+        assert sorted(by_name) == sorted(tensors)
+        for name, t in tensors.items():
+            entry = by_name[name]
+            assert entry["dtype"] == U.DTYPE_NAME[t.dtype]
+            shape = list(t.shape)
+            if t.dtype in U.PACKED:
+                shape[-1] *= 2  # safetensors counts fp4 elements, torch packs pairs
+            assert entry["shape"] == shape
+            assert entry["bytes"] == t.numel() * t.element_size()
+        assert f["header_bytes"] + 8 + f["totals"]["bytes"] == f["file_bytes"]
+        total_bytes += f["totals"]["bytes"]
+    totals = doc["totals"]
+    assert totals["files"] == 2 and totals["tensors"] == 6 and totals["bytes"] == total_bytes
+    assert totals["by_dtype"]["F4"] == {"tensors": 1, "elements": 32, "bytes": 16}
+    assert totals["by_dtype"]["F32"]["tensors"] == 2
+
+
+def test_inspect_human_output(capsys, model_dir):
+    d, _ = model_dir
+    rc, out, _ = run(capsys, "inspect", d / "model-00002-of-00002.safetensors")
+    assert rc == 0
+    assert "layers.1.weight" in out and "F8_E4M3" in out and "[16, 16]" in out
+    assert "metadata: format=pt" in out
+    assert out.strip().endswith("valid")
+    rc, out, _ = run(capsys, "inspect", "--summary", d)
+    assert rc == 0 and "layers.1.weight" not in out and "total: 2 file(s), 6 tensors" in out
+
+
+def test_inspect_reports_an_invalid_file(capsys, model_dir, tmp_path):
+    d, _ = model_dir
+    bad = U.write_raw(tmp_path / "bad.safetensors", b'{"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}',
+                      b"\0" * 4)
+    rc, doc, _ = run_json(capsys, "inspect", bad, d / "model-00001-of-00002.safetensors")
+    assert rc == 1 and doc["valid"] is False
+    bad_entry, good_entry = doc["files"]
+    assert bad_entry["valid"] is False and str(bad) in bad_entry["error"]
+    assert good_entry["valid"] is True
+    rc, out, _ = run(capsys, "inspect", bad)
+    assert rc == 1 and "INVALID" in out
+
+
+def test_same_names_in_separate_checkpoints_are_fine(capsys, model_dir, tmp_path):
+    d, _ = model_dir
+    other = _copy(d, tmp_path / "copy")
+    rc, doc, _ = run_json(capsys, "inspect", d, other)
+    assert rc == 0 and doc["problems"] == [] and doc["totals"]["files"] == 4
+
+
+# ------------------------------------------------------------------------ verify
+
+
+def test_verify_a_good_checkpoint(capsys, model_dir):
+    d, _ = model_dir
+    rc, doc, _ = run_json(capsys, "verify", d, "--reader", "mmap")
+    assert rc == 0 and doc["valid"] is True
+    assert [f["read_path"] for f in doc["files"]] == ["mmap", "mmap"]
+    rc, out, _ = run(capsys, "verify", d / "model.safetensors.index.json")
+    assert rc == 0 and "2 of 2 file(s) valid" in out
+
+
+def test_verify_fails_on_a_truncated_shard(capsys, model_dir, tmp_path):
+    d = _copy(model_dir[0], tmp_path / "broken")
+    victim = d / "model-00002-of-00002.safetensors"
+    victim.write_bytes(victim.read_bytes()[:-3])
+    rc, doc, _ = run_json(capsys, "verify", d)
+    assert rc == 1 and doc["valid"] is False
+    bad = [f for f in doc["files"] if not f["valid"]]
+    assert [f["path"] for f in bad] == [str(victim)] and str(victim) in bad[0]["error"]
+    rc, out, _ = run(capsys, "verify", d)
+    assert rc == 1 and "FAILED" in out and "1 of 2 file(s) valid" in out
+
+
+def test_verify_checks_the_index(capsys, model_dir, tmp_path):
+    d = _copy(model_dir[0], tmp_path / "misindexed")
+    index = d / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    doc["weight_map"]["ids"] = "model-00001-of-00002.safetensors"  # it is in shard 2
+    index.write_text(json.dumps(doc))
+    rc, result, _ = run_json(capsys, "verify", d)
+    assert rc == 1
+    assert any("'ids'" in p and "model-00002-of-00002.safetensors" in p for p in result["problems"])
+
+    del doc["weight_map"]["ids"]  # now the index does not list it
+    index.write_text(json.dumps(doc))
+    rc, result, _ = run_json(capsys, "verify", d)
+    assert rc == 1 and any("does not list tensor 'ids'" in p for p in result["problems"])
+
+    doc["weight_map"]["ids"] = "model-00003-of-00002.safetensors"  # a missing shard
+    index.write_text(json.dumps(doc))
+    rc, result, _ = run_json(capsys, "verify", d)
+    assert rc == 1
+    assert any(not f["valid"] and f["path"].endswith("00003-of-00002.safetensors") for f in result["files"])
+
+
+def test_verify_finds_a_name_in_two_shards(capsys, tmp_path):
+    d = tmp_path / "dup"
+    d.mkdir()
+    U.write_checkpoint(d / "a.safetensors", {"w": torch.zeros(2)})
+    U.write_checkpoint(d / "b.safetensors", {"w": torch.ones(2)})
+    rc, doc, _ = run_json(capsys, "verify", d)
+    assert rc == 1 and any("'w' is in both" in p for p in doc["problems"])
+
+
+def test_usage_errors(capsys, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc, _, err = run(capsys, "inspect", empty)
+    assert rc == 2 and "no .safetensors files" in err
+    rc, _, err = run(capsys, "verify", tmp_path / "missing.index.json")
+    assert rc == 2
+    with pytest.raises(SystemExit) as info:
+        cli.main(["verify", "x.safetensors", "--reader", "telepathy"])
+    assert info.value.code == 2
+    assert cli.main([]) == 2
+    capsys.readouterr()
+
+
+def test_verify_progress_bar(capsys, model_dir, monkeypatch):
+    pytest.importorskip("tqdm")
+    d, _ = model_dir
+    monkeypatch.setattr(fst_progress, "DELAY_S", 0)
+    monkeypatch.delenv(fst_progress.ENV_PROGRESS, raising=False)
+    rc, _, err = run(capsys, "verify", d)
+    assert rc == 0 and "verifying" in err  # on by default in the command line tool
+    rc, _, err = run(capsys, "verify", d, "--no-progress")
+    assert rc == 0 and "verifying" not in err
+    monkeypatch.setenv(fst_progress.ENV_PROGRESS, "0")
+    rc, _, err = run(capsys, "verify", d)
+    assert rc == 0 and "verifying" not in err
+
+
+# ------------------------------------------------------------------------ bench
+
+
+def test_bench_json(capsys, model_dir):
+    d, _ = model_dir
+    rc, doc, _ = run_json(capsys, "bench", d, "--repeat", "2", "--no-progress")
+    assert rc == 0
+    assert doc["bytes"] == sum(os.path.getsize(p) for p in doc["files"])
+    got = {(r["mode"], r["loader"]): r for r in doc["results"]}
+    assert set(got) == {(m, l) for m in ("cold", "warm") for l in ("fastsafetensors", "safetensors")}
+    for r in got.values():
+        assert len(r["seconds"]) == 2 and r["median_s"] > 0 and r["gb_per_s"] > 0
+    assert got[("warm", "fastsafetensors")]["speedup_vs_safetensors"] > 0
+    rc, doc, _ = run_json(capsys, "bench", d, "--repeat", "1", "--modes", "warm", "--no-safetensors",
+                          "--reader", "direct")
+    assert rc == 0 and [(r["mode"], r["loader"]) for r in doc["results"]] == [("warm", "fastsafetensors")]
+    assert doc["reader"] == "direct"
+
+
+def test_bench_human_and_errors(capsys, model_dir, tmp_path):
+    d, _ = model_dir
+    rc, out, _ = run(capsys, "bench", d, "--repeat", "1", "--modes", "warm")
+    assert rc == 0 and "GB/s" in out and "x safetensors" in out
+    rc, _, err = run(capsys, "bench", d, "--modes", "lukewarm")
+    assert rc == 2 and "lukewarm" in err
+    bad = U.write_raw(tmp_path / "bad.safetensors", b"[]")
+    rc, _, err = run(capsys, "bench", bad)
+    assert rc == 1 and str(bad) in err
+
+
+# ------------------------------------------------------------------------ python -m
+
+
+def test_python_dash_m(model_dir, tmp_path):
+    d, _ = model_dir
+    proc = U.run_python("import runpy; runpy.run_module('fastsafetensors', run_name='__main__')")
+    assert proc.returncode == 2 and "inspect" in proc.stderr
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "fastsafetensors", "inspect", "--json", str(d)],
+                          capture_output=True, text=True, env=U.subprocess_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["totals"]["tensors"] == 6
+    bad = U.write_raw(tmp_path / "bad.safetensors", b"[]")
+    proc = subprocess.run([sys.executable, "-m", "fastsafetensors", "verify", "-v", str(bad)],
+                          capture_output=True, text=True, env=U.subprocess_env(), timeout=120)
+    assert proc.returncode == 1 and str(bad) in proc.stdout
