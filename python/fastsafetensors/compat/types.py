@@ -11,6 +11,8 @@ from typing import Dict, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
+from .._dtypes import CASTABLE, DTYPES
+
 logger = logging.getLogger("fastsafetensors.compat")
 
 Device = Union[str, int, torch.device]
@@ -57,33 +59,8 @@ class DType(Enum):
             raise ValueError(f"{dtype} has no safetensors dtype") from None
 
 
-_TORCH_DTYPES: Dict[DType, torch.dtype] = {
-    DType.BOOL: torch.bool,
-    DType.I8: torch.int8,
-    DType.I16: torch.int16,
-    DType.I32: torch.int32,
-    DType.I64: torch.int64,
-    DType.U8: torch.uint8,
-    DType.U16: torch.uint16,
-    DType.U32: torch.uint32,
-    DType.U64: torch.uint64,
-    DType.F16: torch.float16,
-    DType.F32: torch.float32,
-    DType.F64: torch.float64,
-    DType.BF16: torch.bfloat16,
-    DType.F8_E5M2: torch.float8_e5m2,
-    DType.F8_E4M3: torch.float8_e4m3fn,
-    DType.F8_E8M0: torch.float8_e8m0fnu,
-    DType.F4: torch.float4_e2m1fn_x2,
-    DType.C64: torch.complex64,
-    DType.F8_E4M3FNUZ: torch.float8_e4m3fnuz,
-    DType.F8_E5M2FNUZ: torch.float8_e5m2fnuz,
-}
+_TORCH_DTYPES: Dict[DType, torch.dtype] = {DType(name): dtype for name, (dtype, _) in DTYPES.items()}
 _FROM_TORCH: Dict[torch.dtype, DType] = {v: k for k, v in _TORCH_DTYPES.items()}
-
-# The dtypes a load-time cast applies to (the same rule as `fastsafetensors.load`):
-# full-precision floating point. Integers and quantised payloads keep their type.
-CASTABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 DTypeLike = Union[DType, torch.dtype, str, None]
 
