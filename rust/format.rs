@@ -241,7 +241,9 @@ pub fn parse_header(json: &[u8], file_len: u64) -> Result<Header, FormatError> {
     let raw: RawHeader =
         serde_json::from_str(text).map_err(|e| FormatError::InvalidJson(e.to_string()))?;
     let data_start = LEN_PREFIX + json.len() as u64;
-    let data_len = file_len - data_start;
+    let data_len = file_len
+        .checked_sub(data_start)
+        .ok_or(FormatError::HeaderPastEnd { len: json.len() as u64, file_len })?;
     let tensors = raw
         .tensors
         .into_iter()
@@ -434,6 +436,12 @@ mod tests {
         f[0] = 3;
         assert_eq!(parse(&f), Err(FormatError::HeaderPastEnd { len: 3, file_len: 10 }));
         assert_eq!(parse(&u64::MAX.to_le_bytes()), Err(FormatError::HeaderTooLarge(u64::MAX)));
+    }
+
+    #[test]
+    fn header_longer_than_the_file_it_claims() {
+        assert_eq!(parse_header(b"{}", 0), Err(FormatError::HeaderPastEnd { len: 2, file_len: 0 }));
+        assert_eq!(parse_header(b"{}", 9), Err(FormatError::HeaderPastEnd { len: 2, file_len: 9 }));
     }
 
     #[test]

@@ -84,23 +84,22 @@ pub struct DeviceOptions {
 }
 
 impl Planned {
-    /// Reads all files into host memory, in parallel, once it is known that the memory
-    /// they need is there.
+    /// Reads all files into host memory once it is known that the memory they need is
+    /// there: mappings at once, direct reads in parallel on the I/O pool (which is not woken
+    /// at all for a warm load, so its threads take no CPU from the caller's first touches).
     pub fn read_to_host(self, options: &LoadOptions) -> Result<Loaded> {
-        let pool = io::io_pool();
-        let choices = pool.install(|| self.sources.par_iter().map(|s| s.choose(options.reader)).collect::<Result<Vec<_>>>())?;
+        let choices = self.sources.iter().map(|s| s.choose(options.reader)).collect::<Result<Vec<_>>>()?;
         let owned = (0..self.sources.len())
             .filter(|&i| matches!(choices[i], HostRead::Direct))
             .map(|i| self.device_len(i))
             .sum();
         budget::check(owned)?;
-        let buffers = pool.install(|| {
-            self.sources
-                .par_iter()
-                .zip(choices)
-                .map(|(src, how)| src.read(how, options.block).map(Arc::new))
-                .collect::<Result<Vec<_>>>()
-        })?;
+        let read = |(src, how): (&SourceFile, HostRead)| src.read(how, options.block).map(Arc::new);
+        let buffers = if owned == 0 {
+            self.sources.iter().zip(choices).map(read).collect::<Result<Vec<_>>>()
+        } else {
+            io::io_pool().install(|| self.sources.par_iter().zip(choices).map(read).collect::<Result<Vec<_>>>())
+        }?;
         Ok(Loaded { buffers, tensors: self.tensors })
     }
 

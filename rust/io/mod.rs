@@ -168,6 +168,9 @@ impl SourceFile {
         let format_err = |source| Error::Format { path: self.path.clone(), source };
         let mut prefix = [0u8; format::LEN_PREFIX as usize];
         let got = self.read_at_most(&mut prefix, 0)?;
+        if got < prefix.len() && self.len >= format::LEN_PREFIX {
+            return Err(Error::Truncated { path: self.path.clone(), at: got as u64, expected: self.len });
+        }
         let len = format::header_len(&prefix[..got], self.len).map_err(format_err)?;
         let mut json = vec![0u8; len as usize];
         let got = self.read_at_most(&mut json, format::LEN_PREFIX)?;
