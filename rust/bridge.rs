@@ -3,6 +3,9 @@
 //! Every exported function runs inside [`guard`], which turns a panic into an error: a
 //! panic that unwound into C++ would abort the Python process.
 
+// cxx hands vectors across as `&Vec`, not slices.
+#![allow(clippy::ptr_arg)]
+
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
@@ -59,8 +62,13 @@ mod ffi {
         fn device_len(self: &PlannedFiles, index: usize) -> usize;
         /// Fills device memory `dsts[i]` with file i on CUDA device `ordinal`; returns how
         /// each file was read. `nogds`: -1 unset (auto), 0 false (require GDS), 1 true.
-        fn copy_to_cuda(self: &PlannedFiles, ordinal: usize, dsts: &Vec<u64>, reader: &str, nogds: i32)
-            -> Result<Vec<String>>;
+        fn copy_to_cuda(
+            self: &PlannedFiles,
+            ordinal: usize,
+            dsts: &Vec<u64>,
+            reader: &str,
+            nogds: i32,
+        ) -> Result<Vec<String>>;
 
         /// Loads `paths` into host memory with `reader` ("auto", "direct", "mmap", or "" for
         /// the default).
@@ -111,9 +119,8 @@ fn spec(t: &Placement) -> Result<TensorSpec> {
         .shape
         .iter()
         .map(|&d| {
-            i64::try_from(d).map_err(|_| {
-                Error::InvalidArgument(format!("tensor '{}': dimension {d} does not fit in i64", t.name))
-            })
+            i64::try_from(d)
+                .map_err(|_| Error::InvalidArgument(format!("tensor '{}': dimension {d} does not fit in i64", t.name)))
         })
         .collect::<Result<_>>()?;
     Ok(TensorSpec {
@@ -172,7 +179,11 @@ impl PlannedFiles {
     fn copy_to_cuda(&self, ordinal: usize, dsts: &Vec<u64>, reader: &str, nogds: i32) -> Result<Vec<String>> {
         guard(|| {
             if dsts.len() != self.planned.sources.len() {
-                return Err(Error::InvalidArgument(format!("{} destinations for {} files", dsts.len(), self.planned.sources.len())));
+                return Err(Error::InvalidArgument(format!(
+                    "{} destinations for {} files",
+                    dsts.len(),
+                    self.planned.sources.len()
+                )));
             }
             let gds = GdsMode::from_nogds(match nogds {
                 0 => Some(false),

@@ -238,12 +238,10 @@ pub fn header_len(prefix: &[u8], file_len: u64) -> Result<u64, FormatError> {
 /// Parses and validates the JSON header of a file of `file_len` bytes.
 pub fn parse_header(json: &[u8], file_len: u64) -> Result<Header, FormatError> {
     let text = std::str::from_utf8(json).map_err(|e| FormatError::HeaderNotUtf8(e.valid_up_to()))?;
-    let raw: RawHeader =
-        serde_json::from_str(text).map_err(|e| FormatError::InvalidJson(e.to_string()))?;
+    let raw: RawHeader = serde_json::from_str(text).map_err(|e| FormatError::InvalidJson(e.to_string()))?;
     let data_start = LEN_PREFIX + json.len() as u64;
-    let data_len = file_len
-        .checked_sub(data_start)
-        .ok_or(FormatError::HeaderPastEnd { len: json.len() as u64, file_len })?;
+    let data_len =
+        file_len.checked_sub(data_start).ok_or(FormatError::HeaderPastEnd { len: json.len() as u64, file_len })?;
     let tensors = raw
         .tensors
         .into_iter()
@@ -369,9 +367,7 @@ impl<'de> Visitor<'de> for RawHeaderVisitor {
             if !names.insert(key.clone()) {
                 return Err(de::Error::custom(format!("duplicate tensor name '{key}'")));
             }
-            let raw: RawTensor = map
-                .next_value()
-                .map_err(|e| de::Error::custom(format!("tensor '{key}': {e}")))?;
+            let raw: RawTensor = map.next_value().map_err(|e| de::Error::custom(format!("tensor '{key}': {e}")))?;
             tensors.push((key, raw));
         }
         Ok(RawHeader { metadata, tensors })
@@ -520,7 +516,13 @@ mod tests {
         let err = parse(&file(r#"{"a":{"dtype":"F32","shape":[2,2],"data_offsets":[0,12]}}"#, 12)).unwrap_err();
         assert_eq!(
             err,
-            FormatError::LengthMismatch { name: "a".into(), dtype: Dtype::F32, shape: vec![2, 2], expected: 16, actual: 12 }
+            FormatError::LengthMismatch {
+                name: "a".into(),
+                dtype: Dtype::F32,
+                shape: vec![2, 2],
+                expected: 16,
+                actual: 12
+            }
         );
     }
 

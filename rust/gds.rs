@@ -67,14 +67,19 @@ pub fn read_file<A: CuFileApi>(api: &A, src: &SourceFile, dst: u64, options: &Gd
         let len = chunk_blocks.iter().map(|b| b.len).sum::<u64>();
         api.register_buffer(dst + start, len as usize)?;
         let _registered = BufferGuard(api, dst + start);
-        io_pool().install(|| {
-            chunk_blocks.par_iter().try_for_each(|b| read_block(api, handle.1, dst + start, start, b))
-        })?;
+        io_pool()
+            .install(|| chunk_blocks.par_iter().try_for_each(|b| read_block(api, handle.1, dst + start, start, b)))?;
     }
     Ok(())
 }
 
-fn read_block<A: CuFileApi>(api: &A, handle: FileHandle, base: u64, base_start: u64, b: &ReadBlock) -> Result<(), String> {
+fn read_block<A: CuFileApi>(
+    api: &A,
+    handle: FileHandle,
+    base: u64,
+    base_start: u64,
+    b: &ReadBlock,
+) -> Result<(), String> {
     let mut done = 0u64;
     while done < b.expected {
         let n = api.read(handle, base, (b.len - done) as usize, b.offset + done, b.offset - base_start + done)?;

@@ -122,7 +122,8 @@ impl Planned {
         let mut paths: Vec<Option<ReadPath>> = vec![None; self.sources.len()];
         if options.gds != GdsMode::Never {
             for (i, src) in self.sources.iter().enumerate() {
-                let outcome = cufile.map_err(str::to_owned).and_then(|api| gds::read_file(api, src, dsts[i], &options.gds_io));
+                let outcome =
+                    cufile.map_err(str::to_owned).and_then(|api| gds::read_file(api, src, dsts[i], &options.gds_io));
                 match outcome {
                     Ok(()) => paths[i] = Some(ReadPath::Gds),
                     Err(reason) if options.gds == GdsMode::Require => {
@@ -152,7 +153,10 @@ impl Planned {
             .collect::<Result<Vec<_>>>()?;
         let mut staged_paths = staged::copy_files(device, &staged_files, &options.staging)?.into_iter();
         self.sources.iter().try_for_each(SourceFile::check_unchanged)?;
-        Ok(paths.into_iter().map(|p| p.unwrap_or_else(|| staged_paths.next().expect("one path per staged file"))).collect())
+        Ok(paths
+            .into_iter()
+            .map(|p| p.unwrap_or_else(|| staged_paths.next().expect("one path per staged file")))
+            .collect())
     }
 }
 

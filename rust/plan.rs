@@ -106,10 +106,7 @@ mod tests {
         let blocks = read_blocks(10_000, 4096, 8192);
         assert_eq!(
             blocks,
-            [
-                ReadBlock { offset: 0, len: 8192, expected: 8192 },
-                ReadBlock { offset: 8192, len: 4096, expected: 1808 },
-            ]
+            [ReadBlock { offset: 0, len: 8192, expected: 8192 }, ReadBlock { offset: 8192, len: 4096, expected: 1808 },]
         );
     }
 
@@ -150,7 +147,7 @@ mod tests {
         // Header of 31 bytes: data starts at 39, so an F32 at data offset 0 is misaligned.
         let json = r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[1],"data_offsets":[4,5]}}"#;
         let h = header(json, 5);
-        let p = place(&[PathBuf::from("x")], &[h.clone()]).unwrap();
+        let p = place(&[PathBuf::from("x")], std::slice::from_ref(&h)).unwrap();
         assert_eq!(p[0].offset, h.data_start);
         assert_eq!(p[0].aligned, h.data_start % 4 == 0);
         assert!(p[1].aligned, "bytes are always aligned");
@@ -180,6 +177,9 @@ mod tests {
         let a = header(r#"{"x":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#, 1);
         let b = header(r#"{"y":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}"#, 2);
         let p = place(&[PathBuf::from("a"), PathBuf::from("b")], &[a, b]).unwrap();
-        assert_eq!(p.iter().map(|p| (p.name.as_str(), p.file, p.nbytes)).collect::<Vec<_>>(), [("x", 0, 1), ("y", 1, 2)]);
+        assert_eq!(
+            p.iter().map(|p| (p.name.as_str(), p.file, p.nbytes)).collect::<Vec<_>>(),
+            [("x", 0, 1), ("y", 1, 2)]
+        );
     }
 }

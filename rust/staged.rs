@@ -40,7 +40,11 @@ impl Default for StagingOptions {
 
 /// Copies every file to its device destination. Returns how each file was read. When this
 /// returns, every copy it started has completed, whether it succeeded or not.
-pub fn copy_files<D: StagingDevice>(device: &D, files: &[StagedFile], options: &StagingOptions) -> Result<Vec<ReadPath>> {
+pub fn copy_files<D: StagingDevice>(
+    device: &D,
+    files: &[StagedFile],
+    options: &StagingOptions,
+) -> Result<Vec<ReadPath>> {
     let block = plan::align_up(options.block.max(IO_ALIGN), IO_ALIGN);
     let readers = files.iter().map(|f| BlockReader::open(f.src, f.direct)).collect::<Result<Vec<_>>>()?;
     let jobs: Vec<_> = files

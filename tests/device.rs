@@ -64,7 +64,11 @@ fn staged_copies_are_bit_exact_for_every_block_and_ring_size() {
             assert_files_at(&device.memory(), &dsts, &files);
             let blocks: u64 = planned.sources.iter().map(|s| s.len.div_ceil(block)).sum();
             assert_eq!(device.copies() as u64, blocks, "one copy per block");
-            assert!(device.staging_allocated() <= slots, "{} staging buffers for {slots} slots", device.staging_allocated());
+            assert!(
+                device.staging_allocated() <= slots,
+                "{} staging buffers for {slots} slots",
+                device.staging_allocated()
+            );
         }
     }
 }
@@ -75,7 +79,9 @@ fn staged_paths_follow_the_reader() {
     let (paths, _) = checkpoint(&dir);
     let planned = plan_files(&paths).unwrap();
     let (dsts, len) = layout(&planned);
-    let run = |reader| planned.copy_to_device(&HostMemoryDevice::new(len), NO_CUFILE, &dsts, &staged(4096, 2, reader)).unwrap();
+    let run = |reader| {
+        planned.copy_to_device(&HostMemoryDevice::new(len), NO_CUFILE, &dsts, &staged(4096, 2, reader)).unwrap()
+    };
     assert_eq!(run(ReaderKind::Mmap), [ReadPath::Buffered, ReadPath::Buffered]);
     // Files just written are resident: auto reads them through the page cache.
     assert_eq!(run(ReaderKind::Auto), [ReadPath::Buffered, ReadPath::Buffered]);
@@ -101,7 +107,9 @@ fn a_file_truncated_after_planning_is_an_error() {
     let planned = plan_files(&paths).unwrap();
     let (dsts, len) = layout(&planned);
     std::fs::OpenOptions::new().write(true).open(&paths[1]).unwrap().set_len(100).unwrap();
-    let err = planned.copy_to_device(&HostMemoryDevice::new(len), NO_CUFILE, &dsts, &staged(4096, 2, ReaderKind::Mmap)).unwrap_err();
+    let err = planned
+        .copy_to_device(&HostMemoryDevice::new(len), NO_CUFILE, &dsts, &staged(4096, 2, ReaderKind::Mmap))
+        .unwrap_err();
     assert!(matches!(err, Error::Truncated { .. }), "{err}");
     assert!(err.to_string().contains("1.safetensors"), "{err}");
 }
@@ -158,7 +166,14 @@ impl CuFileApi for FakeCuFile {
         self.record(Call::DeregisterBuffer(address));
     }
 
-    fn read(&self, handle: FileHandle, base: u64, len: usize, file_offset: u64, base_offset: u64) -> Result<usize, String> {
+    fn read(
+        &self,
+        handle: FileHandle,
+        base: u64,
+        len: usize,
+        file_offset: u64,
+        base_offset: u64,
+    ) -> Result<usize, String> {
         self.record(Call::Read { len, file_offset });
         let path = std::fs::read_link(format!("/proc/self/fd/{}", handle.0)).map_err(|e| e.to_string())?;
         let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
@@ -182,7 +197,8 @@ fn gds_reads_are_bit_exact_and_registrations_balanced() {
     let (dsts, len) = layout(&planned);
     let cufile = FakeCuFile::new(len);
     let unused = HostMemoryDevice::new(len);
-    let paths_taken = planned.copy_to_device(&unused, Ok(&cufile), &dsts, &with_gds(GdsMode::Auto, 8192, 16384)).unwrap();
+    let paths_taken =
+        planned.copy_to_device(&unused, Ok(&cufile), &dsts, &with_gds(GdsMode::Auto, 8192, 16384)).unwrap();
     assert_eq!(paths_taken, [ReadPath::Gds, ReadPath::Gds]);
     assert_eq!(unused.copies(), 0, "nothing went through staging");
     assert_files_at(&cufile.memory.lock().unwrap(), &dsts, &files);
@@ -238,7 +254,8 @@ fn required_gds_fails_clearly() {
     assert_eq!(device.copies(), 0, "no silent fallback when GDS is required");
 
     let cufile = FakeCuFile { fail_buffer_registration: true, ..FakeCuFile::new(len) };
-    let err = planned.copy_to_device(&device, Ok(&cufile), &dsts, &with_gds(GdsMode::Require, 8192, 16384)).unwrap_err();
+    let err =
+        planned.copy_to_device(&device, Ok(&cufile), &dsts, &with_gds(GdsMode::Require, 8192, 16384)).unwrap_err();
     assert!(err.to_string().contains("cuFileBufRegister failed"), "{err}");
 }
 

@@ -34,13 +34,10 @@ fn every_reader_returns_the_files_bytes() {
     let dir = TempDir::new("readers");
     let bytes = safetensors(TENSORS, 8);
     let path = dir.write("model.safetensors", &bytes);
-    for (reader, block) in [
-        (ReaderKind::Direct, 4096),
-        (ReaderKind::Direct, 1 << 20),
-        (ReaderKind::Mmap, 4096),
-        (ReaderKind::Auto, 8192),
-    ] {
-        let loaded = load(&[path.clone()], &LoadOptions { reader, block }).unwrap();
+    for (reader, block) in
+        [(ReaderKind::Direct, 4096), (ReaderKind::Direct, 1 << 20), (ReaderKind::Mmap, 4096), (ReaderKind::Auto, 8192)]
+    {
+        let loaded = load(std::slice::from_ref(&path), &LoadOptions { reader, block }).unwrap();
         assert_eq!(loaded.tensors.len(), TENSORS.len());
         for t in &loaded.tensors {
             assert_eq!(loaded.bytes(t), expected_bytes(&bytes, &path, &t.name), "{reader:?} {}", t.name);
@@ -53,7 +50,8 @@ fn every_reader_returns_the_files_bytes() {
 fn forced_readers_report_their_path() {
     let dir = TempDir::new("paths");
     let path = dir.write("a.safetensors", &safetensors(TENSORS, 8));
-    let read = |reader| load(&[path.clone()], &LoadOptions { reader, ..Default::default() }).unwrap().read_paths();
+    let read =
+        |reader| load(std::slice::from_ref(&path), &LoadOptions { reader, ..Default::default() }).unwrap().read_paths();
     assert_eq!(read(ReaderKind::Mmap), [ReadPath::Mmap]);
     // O_DIRECT, or buffered where the temp dir's filesystem refuses it (tmpfs).
     assert!(matches!(read(ReaderKind::Direct)[..], [ReadPath::Direct | ReadPath::Buffered]));
@@ -66,7 +64,7 @@ fn unpadded_header_flags_misaligned_tensors() {
     let dir = TempDir::new("misaligned");
     let bytes = safetensors(&[("w", "F32", &[4]), ("b", "U8", &[3])], 1);
     let path = dir.write("m.safetensors", &bytes);
-    let loaded = load(&[path.clone()], &LoadOptions::default()).unwrap();
+    let loaded = load(std::slice::from_ref(&path), &LoadOptions::default()).unwrap();
     let header = read_header(&path).unwrap();
     for t in &loaded.tensors {
         assert_eq!(t.aligned, t.offset % t.dtype.alignment() == 0);
@@ -94,17 +92,17 @@ fn many_files_load_together() {
 fn errors_name_the_file() {
     let dir = TempDir::new("errors");
     let missing = dir.0.join("missing.safetensors");
-    let err = load(&[missing.clone()], &LoadOptions::default()).err().unwrap();
+    let err = load(std::slice::from_ref(&missing), &LoadOptions::default()).err().unwrap();
     assert!(matches!(err, Error::Io { .. }));
     assert!(err.to_string().starts_with(&missing.display().to_string()), "{err}");
 
-    let err = load(&[dir.0.clone()], &LoadOptions::default()).err().unwrap();
+    let err = load(std::slice::from_ref(&dir.0), &LoadOptions::default()).err().unwrap();
     assert!(matches!(err, Error::NotAFile { .. }), "{err}");
 
     let mut bytes = safetensors(TENSORS, 8);
     bytes.truncate(bytes.len() - 1);
     let short = dir.write("short.safetensors", &bytes);
-    let err = load(&[short.clone()], &LoadOptions::default()).err().unwrap();
+    let err = load(std::slice::from_ref(&short), &LoadOptions::default()).err().unwrap();
     assert!(err.to_string().contains("short.safetensors"), "{err}");
     assert!(matches!(err, Error::Format { .. }), "{err}");
 
@@ -137,7 +135,7 @@ fn a_file_truncated_or_rewritten_after_planning_is_an_error_not_a_crash() {
     let bytes = safetensors(TENSORS, 8);
     for reader in [ReaderKind::Mmap, ReaderKind::Direct, ReaderKind::Auto] {
         let path = dir.write("t.safetensors", &bytes);
-        let planned = plan_files(&[path.clone()]).unwrap();
+        let planned = plan_files(std::slice::from_ref(&path)).unwrap();
         std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(100).unwrap();
         let err = planned.read_to_host(&LoadOptions { reader, ..Default::default() }).err().unwrap();
         assert!(matches!(err, Error::Changed { .. } | Error::Truncated { .. }), "{reader:?}: {err}");
@@ -145,7 +143,7 @@ fn a_file_truncated_or_rewritten_after_planning_is_an_error_not_a_crash() {
     }
     // Same size, new contents: caught by the modification time.
     let path = dir.write("r.safetensors", &bytes);
-    let planned = plan_files(&[path.clone()]).unwrap();
+    let planned = plan_files(std::slice::from_ref(&path)).unwrap();
     std::thread::sleep(std::time::Duration::from_millis(20));
     std::fs::write(&path, &bytes).unwrap();
     let err = planned.read_to_host(&LoadOptions::default()).err().unwrap();
@@ -160,7 +158,7 @@ fn special_files_are_refused_without_blocking() {
     // SAFETY: a valid NUL-terminated path.
     assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
     for path in [fifo, PathBuf::from("/dev/zero"), dir.0.clone()] {
-        let err = plan_files(&[path.clone()]).err().unwrap();
+        let err = plan_files(std::slice::from_ref(&path)).err().unwrap();
         assert!(matches!(err, Error::NotAFile { .. }), "{}: {err}", path.display());
     }
 }

@@ -27,8 +27,14 @@ pub trait CuFileApi: Sync {
     fn register_buffer(&self, address: u64, len: usize) -> Result<(), String>;
     fn deregister_buffer(&self, address: u64);
     /// Reads `len` bytes at `file_offset` to `base + base_offset`; returns bytes read.
-    fn read(&self, handle: FileHandle, base: u64, len: usize, file_offset: u64, base_offset: u64)
-        -> Result<usize, String>;
+    fn read(
+        &self,
+        handle: FileHandle,
+        base: u64,
+        len: usize,
+        file_offset: u64,
+        base_offset: u64,
+    ) -> Result<usize, String>;
 }
 
 #[repr(C)]
@@ -105,7 +111,9 @@ impl CuFileLibrary {
             let driver_open: DriverOpen = std::mem::transmute(symbol(b"cuFileDriverOpen\0")?);
             let lib = CuFileLibrary {
                 handle_register: std::mem::transmute::<*const (), HandleRegister>(symbol(b"cuFileHandleRegister\0")?),
-                handle_deregister: std::mem::transmute::<*const (), HandleDeregister>(symbol(b"cuFileHandleDeregister\0")?),
+                handle_deregister: std::mem::transmute::<*const (), HandleDeregister>(symbol(
+                    b"cuFileHandleDeregister\0",
+                )?),
                 buf_register: std::mem::transmute::<*const (), BufRegister>(symbol(b"cuFileBufRegister\0")?),
                 buf_deregister: std::mem::transmute::<*const (), BufDeregister>(symbol(b"cuFileBufDeregister\0")?),
                 read: std::mem::transmute::<*const (), Read>(symbol(b"cuFileRead\0")?),
@@ -145,8 +153,14 @@ impl CuFileApi for CuFileLibrary {
         let _ = unsafe { (self.buf_deregister)(address as *const c_void) };
     }
 
-    fn read(&self, handle: FileHandle, base: u64, len: usize, file_offset: u64, base_offset: u64)
-        -> Result<usize, String> {
+    fn read(
+        &self,
+        handle: FileHandle,
+        base: u64,
+        len: usize,
+        file_offset: u64,
+        base_offset: u64,
+    ) -> Result<usize, String> {
         // SAFETY: `base + base_offset .. + len` lies in device memory allocated for the file.
         let n = unsafe {
             (self.read)(handle.0 as *mut c_void, base as *mut c_void, len, file_offset as i64, base_offset as i64)

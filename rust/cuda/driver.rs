@@ -50,7 +50,8 @@ impl Context {
         }
         let device = result::device::get(ordinal as i32).map_err(|e| cuda_error("cuDeviceGet", e))?;
         // SAFETY: `device` came from cuDeviceGet; released in Drop.
-        let raw = unsafe { result::primary_ctx::retain(device) }.map_err(|e| cuda_error("cuDevicePrimaryCtxRetain", e))?;
+        let raw =
+            unsafe { result::primary_ctx::retain(device) }.map_err(|e| cuda_error("cuDevicePrimaryCtxRetain", e))?;
         let ctx = Context { device, raw, ordinal };
         ctx.bind()?;
         Ok(ctx)

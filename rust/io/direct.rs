@@ -25,10 +25,7 @@ pub fn read(src: &SourceFile, block: u64) -> Result<HostBuffer> {
     let _ = map.advise(Advice::HugePage);
     let reader = BlockReader::open(src, true)?;
     io_pool().install(|| {
-        blocks
-            .par_iter()
-            .zip(map.par_chunks_mut(block as usize))
-            .try_for_each(|(b, dst)| reader.read(b, dst))
+        blocks.par_iter().zip(map.par_chunks_mut(block as usize)).try_for_each(|(b, dst)| reader.read(b, dst))
     })?;
     Ok(HostBuffer { map, path: reader.path() })
 }

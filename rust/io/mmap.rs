@@ -17,7 +17,6 @@ pub fn map(src: &SourceFile) -> Result<MmapMut> {
     Ok(map)
 }
 
-
 /// Fraction of the file's pages that are in the page cache.
 ///
 /// Asks `cachestat(2)` (Linux 6.5+), which counts a large folio at once, and falls back to
@@ -53,7 +52,8 @@ fn cachestat(file: &std::fs::File) -> Option<u64> {
     let range = Range { off: 0, len: 0 }; // len 0: to the end of the file
     let mut stat = Stat::default();
     // SAFETY: cachestat(fd, &range, &stat, 0) reads `range` and writes `stat`, both live.
-    let rc = unsafe { libc::syscall(SYS_CACHESTAT, file.as_raw_fd(), &range as *const Range, &mut stat as *mut Stat, 0) };
+    let rc =
+        unsafe { libc::syscall(SYS_CACHESTAT, file.as_raw_fd(), &range as *const Range, &mut stat as *mut Stat, 0) };
     (rc == 0).then_some(stat.nr_cache)
 }
 
@@ -81,5 +81,9 @@ fn mincore_fraction(map: &[u8]) -> f64 {
 fn page_size() -> usize {
     // SAFETY: sysconf has no preconditions.
     let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if size > 0 { size as usize } else { 4096 }
+    if size > 0 {
+        size as usize
+    } else {
+        4096
+    }
 }

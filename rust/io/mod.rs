@@ -55,9 +55,9 @@ impl FromStr for ReaderKind {
             "auto" => Ok(ReaderKind::Auto),
             "direct" => Ok(ReaderKind::Direct),
             "mmap" => Ok(ReaderKind::Mmap),
-            other => Err(Error::InvalidArgument(format!(
-                "unknown reader '{other}' (expected 'auto', 'direct' or 'mmap')"
-            ))),
+            other => {
+                Err(Error::InvalidArgument(format!("unknown reader '{other}' (expected 'auto', 'direct' or 'mmap')")))
+            }
         }
     }
 }
@@ -68,9 +68,9 @@ impl ReaderKind {
         match requested {
             Some(name) => name.parse(),
             None => match std::env::var(READER_ENV) {
-                Ok(name) if !name.is_empty() => name.parse().map_err(|e: Error| {
-                    Error::InvalidArgument(format!("{READER_ENV}: {e}"))
-                }),
+                Ok(name) if !name.is_empty() => {
+                    name.parse().map_err(|e: Error| Error::InvalidArgument(format!("{READER_ENV}: {e}")))
+                }
                 _ => Ok(ReaderKind::Auto),
             },
         }
@@ -203,7 +203,9 @@ impl SourceFile {
         match kind {
             ReaderKind::Mmap => Ok(HostRead::Map(mmap::map(self)?)),
             ReaderKind::Direct => Ok(HostRead::Direct),
-            ReaderKind::Auto => Ok(if self.is_resident()? { HostRead::Map(mmap::map(self)?) } else { HostRead::Direct }),
+            ReaderKind::Auto => {
+                Ok(if self.is_resident()? { HostRead::Map(mmap::map(self)?) } else { HostRead::Direct })
+            }
         }
     }
 

@@ -51,4 +51,3 @@ pub fn safetensors(tensors: &[(&str, &str, &[u64])], header_pad_to: usize) -> Ve
     file.extend_from_slice(&data);
     file
 }
-
