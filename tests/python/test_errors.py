@@ -89,6 +89,35 @@ def _safe_open_everything(path):
             f.get_tensor(name)
 
 
+def _compat_open_everything(path):
+    with fastsafetensors.fastsafe_open(path) as f:
+        for name in f.keys():
+            f.get_tensor(name)
+
+
+def _compat_loader(path):
+    loader = fastsafetensors.SafeTensorsFileLoader(fastsafetensors.SingleGroup(), "cpu")
+    try:
+        loader.add_filenames({0: [path]})
+        loader.copy_files_to_device().close()
+    finally:
+        loader.close()
+
+
+def _cli_verify(path):
+    """The CLI reports on stdout/stderr and exits non-zero: turned into an exception here."""
+    import contextlib
+    import io
+
+    from fastsafetensors import cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        rc = cli.main(["verify", path])
+    if rc != 0:
+        raise RuntimeError(out.getvalue())
+
+
 ENTRY_POINTS = {
     "load_auto": (lambda p: ops.load([p], "cpu", None, "auto"), OP_ERRORS),
     "load_direct": (lambda p: ops.load([p], "cpu", None, "direct"), OP_ERRORS),
@@ -99,6 +128,9 @@ ENTRY_POINTS = {
     "load_file": (lambda p: fastsafetensors.load_file(p), PY_ERRORS),
     "load_cast": (lambda p: fastsafetensors.load([p], dtype=torch.float32), PY_ERRORS),
     "safe_open": (_safe_open_everything, PY_ERRORS),
+    "fastsafe_open": (_compat_open_everything, PY_ERRORS),
+    "SafeTensorsFileLoader": (_compat_loader, PY_ERRORS),
+    "cli_verify": (_cli_verify, PY_ERRORS),
 }
 
 
