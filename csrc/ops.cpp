@@ -143,12 +143,14 @@ Loaded load_to_host(const std::vector<std::string>& files, const std::string& re
 Loaded load_to_cuda(const std::vector<std::string>& files, const c10::Device& target,
                     const std::string& reader, std::optional<at::ScalarType> dtype,
                     std::optional<bool> nogds) {
-  // Our own check first: a clear error, at once, on machines without a driver.
+  // Our own check first: a clear error, at once, on machines without a driver or device.
+  size_t devices = 0;
   try {
-    rs::cuda_device_count();
+    devices = rs::cuda_device_count();
   } catch (const ::rust::Error& e) {
     TORCH_CHECK(false, "fastsafetensors: cannot load to ", target.str(), ": ", e.what());
   }
+  TORCH_CHECK(devices > 0, "fastsafetensors: cannot load to ", target.str(), ": CUDA: no CUDA device is visible");
   auto paths = to_rust(files);
   auto planned = call_rust([&] { return rs::plan_files(paths); });
   // Destination memory comes from torch's caching allocator, so torch's memory statistics
