@@ -260,12 +260,17 @@ def spawn(role: str, name: str, files: list[Path]) -> dict[str, Any]:
 def measure(loaders: list[str], files: list[Path], runs: int) -> tuple[Results, bool]:
     """Median results per loader and mode, and whether every run was sound.
 
-    Runs are interleaved across loaders so that slow drift affects all alike.
+    Runs are interleaved across loaders so that slow drift affects all alike, and each
+    round starts with the next loader: on virtual disks the read right after a burst of
+    parallel I/O (the ``dd:parallel`` row) is measurably slower, a penalty that a fixed
+    order would always hand to the same loader.
     """
     samples: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for mode in ("cold", "warm"):
+        in_mode = [name for name in loaders if mode in modes(name)]
         for run in range(runs):
-            for loader in (name for name in loaders if mode in modes(name)):
+            shift = run % len(in_mode)
+            for loader in in_mode[shift:] + in_mode[:shift]:
                 if mode == "cold":
                     evict(files)
                 else:
