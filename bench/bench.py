@@ -14,6 +14,7 @@ import ctypes
 import json
 import mmap
 import os
+import random
 import resource
 import shutil
 import signal
@@ -27,6 +28,8 @@ from typing import Any, Iterable
 PAGE = os.sysconf("SC_PAGE_SIZE")
 REPO = Path(__file__).resolve().parent.parent
 READERS = ["auto", "direct", "mmap"]
+# Idle time before each cold run, so that no run inherits the tail of the previous one's I/O.
+SETTLE_SECONDS = 2.0
 Results = dict[str, dict[str, dict[str, Any]]]  # loader -> "cold"/"warm" -> summary
 
 
@@ -260,19 +263,22 @@ def spawn(role: str, name: str, files: list[Path]) -> dict[str, Any]:
 def measure(loaders: list[str], files: list[Path], runs: int) -> tuple[Results, bool]:
     """Median results per loader and mode, and whether every run was sound.
 
-    Runs are interleaved across loaders so that slow drift affects all alike, and each
-    round starts with the next loader: on virtual disks the read right after a burst of
-    parallel I/O (the ``dd:parallel`` row) is measurably slower, a penalty that a fixed
-    order would always hand to the same loader.
+    Runs are interleaved across loaders so that slow drift affects all alike, in a new
+    (seeded) order each round, and every cold run starts after the disk has been idle for
+    ``SETTLE_SECONDS``: on virtual disks the read right after a burst of parallel I/O (the
+    ``dd:parallel`` row) is measurably slower, a penalty a fixed order would always hand to
+    the same loader.
     """
     samples: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for mode in ("cold", "warm"):
         in_mode = [name for name in loaders if mode in modes(name)]
         for run in range(runs):
-            shift = run % len(in_mode)
-            for loader in in_mode[shift:] + in_mode[:shift]:
+            order = in_mode[:]
+            random.Random(run).shuffle(order)
+            for loader in order:
                 if mode == "cold":
                     evict(files)
+                    time.sleep(SETTLE_SECONDS)
                 else:
                     prewarm(files)
                 cached = cached_fraction(files)
@@ -283,7 +289,8 @@ def measure(loaders: list[str], files: list[Path], runs: int) -> tuple[Results, 
                 shown = res.get("error") or f"{res['bytes'] / res['seconds'] / 1e9:.2f} GB/s"
                 print(f"  {mode} run {run + 1}/{runs}  {loader:<18}{shown}", flush=True)
     results: Results = {}
-    for (loader, mode), all_runs in samples.items():
+    # In the order the loaders were given, whatever order the last round ran them in.
+    for (loader, mode), all_runs in sorted(samples.items(), key=lambda kv: loaders.index(kv[0][0])):
         ok = [r for r in all_runs if "error" not in r]
         entry: dict[str, Any] = {"runs": all_runs, "errors": len(all_runs) - len(ok)}
         if ok:
