@@ -292,3 +292,33 @@ def check_output(proc: subprocess.CompletedProcess) -> str:
         f"subprocess exited {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
     )
     return proc.stdout
+
+
+def vllm_weights_iterator(hf_weights_files):
+    """The body of vLLM's (and SGLang's) fastsafetensors_weights_iterator, as they wrote it
+    for fastsafetensors 0.5 but with the device made "cpu": the names it uses must exist."""
+    from fastsafetensors import SafeTensorsFileLoader, SingleGroup
+
+    if torch.distributed.is_initialized():
+        pg = torch.distributed.group.WORLD
+    else:
+        pg = SingleGroup()
+    device = torch.device("cpu")
+    weight_files_sub_lists = [
+        hf_weights_files[i : i + pg.size()] for i in range(0, len(hf_weights_files), pg.size())
+    ]
+    for f_list in weight_files_sub_lists:
+        loader = SafeTensorsFileLoader(pg, device)
+        rank_file_map = {i: [f] for i, f in enumerate(f_list)}
+        loader.add_filenames(rank_file_map)
+        try:
+            fb = loader.copy_files_to_device()
+            try:
+                keys = list(fb.key_to_rank_lidx.keys())
+                for k in keys:
+                    t = fb.get_tensor(k)
+                    yield k, t
+            finally:
+                fb.close()
+        finally:
+            loader.close()

@@ -385,35 +385,8 @@ def test_parallel_loader_stops_early_and_reports_errors(multi_file_model, tmp_pa
 def test_vllm_style_iterator_runs_unchanged(multi_file_model):
     """The body of vLLM's (and SGLang's) fastsafetensors_weights_iterator, with the device
     made "cpu": the attribute and call names it depends on all exist."""
-    from fastsafetensors import SafeTensorsFileLoader, SingleGroup
-
     paths, shards = multi_file_model
     hf_weights_files = [str(p) for p in paths]
 
-    def fastsafetensors_weights_iterator(hf_weights_files):
-        if torch.distributed.is_initialized():
-            pg = torch.distributed.group.WORLD
-        else:
-            pg = SingleGroup()
-        device = torch.device("cpu")
-        weight_files_sub_lists = [
-            hf_weights_files[i : i + pg.size()] for i in range(0, len(hf_weights_files), pg.size())
-        ]
-        for f_list in weight_files_sub_lists:
-            loader = SafeTensorsFileLoader(pg, device)
-            rank_file_map = {i: [f] for i, f in enumerate(f_list)}
-            loader.add_filenames(rank_file_map)
-            try:
-                fb = loader.copy_files_to_device()
-                try:
-                    keys = list(fb.key_to_rank_lidx.keys())
-                    for k in keys:
-                        t = fb.get_tensor(k)
-                        yield k, t
-                finally:
-                    fb.close()
-            finally:
-                loader.close()
-
-    got = dict(fastsafetensors_weights_iterator(hf_weights_files))
+    got = dict(U.vllm_weights_iterator(hf_weights_files))
     U.assert_same_dict(got, {k: v for s in shards for k, v in s.items()})

@@ -330,29 +330,7 @@ class Worker:
                 pl.close()
             out[f"parallel_loader_q{queue_size}"] = got
 
-        def older_iterator(hf_weights_files):
-            pg = torch.distributed.group.WORLD
-            device = torch.device("cpu")
-            weight_files_sub_lists = [
-                hf_weights_files[i : i + pg.size()] for i in range(0, len(hf_weights_files), pg.size())
-            ]
-            for f_list in weight_files_sub_lists:
-                loader = SafeTensorsFileLoader(pg, device)
-                rank_file_map = {i: [f] for i, f in enumerate(f_list)}
-                loader.add_filenames(rank_file_map)
-                try:
-                    fb = loader.copy_files_to_device()
-                    try:
-                        keys = list(fb.key_to_rank_lidx.keys())
-                        for k in keys:
-                            t = fb.get_tensor(k)
-                            yield k, t
-                    finally:
-                        fb.close()
-                finally:
-                    loader.close()
-
-        out["key_to_rank_lidx_loop"] = list(older_iterator(hf_weights_files))
+        out["key_to_rank_lidx_loop"] = list(U.vllm_weights_iterator(hf_weights_files))
         return out
 
     def tgis(self) -> dict:
