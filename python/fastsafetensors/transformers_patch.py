@@ -66,19 +66,14 @@ _options: Dict[str, Any] = {}
 
 class PatchedSafeOpen(api.safe_open):
     """`fastsafetensors.safe_open` as transformers uses it: accepts safetensors' `backend=`
-    keyword and ignores it (the loader picks its reader per file), adds `get_tensors()`,
-    and loads the file once even when several threads ask for tensors at the same time."""
+    keyword and ignores it (the loader picks its reader per file) and adds `get_tensors()`.
+    Like every `safe_open`, it loads the file once even when several threads ask at once."""
 
     def __init__(self, filename: PathLike, framework: str = "pt", device: Device = "cpu",
                  backend: Optional[str] = None, reader: Optional[str] = None, nogds: Optional[bool] = None):
         super().__init__(filename, framework=framework, device=device, reader=reader, nogds=nogds)
-        self._load_lock = threading.Lock()
         logger.debug("%s: opened for transformers (header only; loads to %s on first access)",
                      os.fspath(filename), device)
-
-    def get_tensor(self, name: str) -> torch.Tensor:
-        with self._load_lock:  # the first call loads the file; the others wait for it
-            return super().get_tensor(name)
 
     def get_tensors(self) -> Dict[str, torch.Tensor]:
         """Every tensor of the file, in offset order (one bulk read)."""
