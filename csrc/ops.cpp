@@ -214,6 +214,10 @@ describe(std::string file) {
   return {std::move(names), std::move(dtypes), std::move(shapes), metadata_of(h)};
 }
 
+double resident_fraction(std::string file) {
+  return call_rust([&] { return rs::resident_fraction(file); });
+}
+
 std::vector<std::string> keys(std::string file) {
   auto names = std::get<0>(describe(std::move(file)));
   std::sort(names.begin(), names.end());
@@ -234,6 +238,7 @@ TORCH_LIBRARY(fastsafetensors, m) {
       "load_with_report(str[] files, str device=\"cpu\", ScalarType? dtype=None, str? reader=None,"
       " bool? nogds=None) -> (Dict(str, Tensor), str[])");
   m.def("keys(str file) -> str[]");
+  m.def("resident_fraction(str file) -> float");
   m.def("metadata(str file) -> Dict(str, str)?");
   m.def("describe(str file) -> (str[] names, str[] dtypes, int[][] shapes, Dict(str, str)? metadata)");
 }
@@ -242,6 +247,7 @@ TORCH_LIBRARY_IMPL(fastsafetensors, CompositeExplicitAutograd, m) {
   m.impl("load", TORCH_FN(load));
   m.impl("load_with_report", TORCH_FN(load_with_report));
   m.impl("keys", TORCH_FN(keys));
+  m.impl("resident_fraction", TORCH_FN(resident_fraction));
   m.impl("metadata", TORCH_FN(metadata));
   m.impl("describe", TORCH_FN(describe));
 }

@@ -15,7 +15,7 @@ use crate::cuda::driver::{self, Context};
 use crate::device::CudaDevice;
 use crate::error::{Error, Result};
 use crate::gds::GdsMode;
-use crate::io::{HostBuffer, ReaderKind};
+use crate::io::{HostBuffer, ReaderKind, SourceFile};
 use crate::loader::{self, DeviceOptions, LoadOptions, Loaded, Planned};
 use crate::plan::{self, Placement};
 
@@ -85,6 +85,8 @@ mod ffi {
         fn cuda_device_count() -> Result<usize>;
         /// Reads and validates one file's header without reading its data.
         fn read_header(path: &str) -> Result<HeaderSpec>;
+        /// Fraction of the file's pages in the page cache (what `auto` decides by).
+        fn resident_fraction(path: &str) -> Result<f64>;
     }
 }
 
@@ -240,6 +242,10 @@ impl BufferRef {
 
 fn cuda_device_count() -> Result<usize> {
     guard(driver::device_count)
+}
+
+fn resident_fraction(path: &str) -> Result<f64> {
+    guard(|| SourceFile::open(std::path::Path::new(path))?.resident_fraction())
 }
 
 fn read_header(path: &str) -> Result<HeaderSpec> {

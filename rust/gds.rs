@@ -59,7 +59,7 @@ pub fn read_file<A: CuFileApi>(api: &A, src: &SourceFile, dst: u64, options: &Gd
         .open(&src.path)
         .map_err(|e| format!("open with O_DIRECT failed: {e}"))?;
     let handle = HandleGuard(api, api.register_handle(file.as_raw_fd())?);
-    let block = plan::align_up(options.block.max(IO_ALIGN), IO_ALIGN);
+    let block = plan::io_block(options.block);
     let chunk = plan::align_up(options.register_chunk.max(block), block);
     let blocks = plan::read_blocks(src.len, IO_ALIGN, block);
     for chunk_blocks in blocks.chunks((chunk / block) as usize) {

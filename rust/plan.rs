@@ -17,6 +17,11 @@ pub const IO_ALIGN: u64 = 4096;
 /// Default size of one read request.
 pub const DEFAULT_BLOCK: u64 = 8 << 20;
 
+/// The read request size for a requested one: at least, and a multiple of, [`IO_ALIGN`].
+pub fn io_block(requested: u64) -> u64 {
+    align_up(requested.max(IO_ALIGN), IO_ALIGN)
+}
+
 /// `n` rounded up to a multiple of `align`. For file sizes, which are below 2^63.
 pub fn align_up(n: u64, align: u64) -> u64 {
     debug_assert!(n <= i64::MAX as u64, "{n} is not a file size");

@@ -45,7 +45,7 @@ pub fn copy_files<D: StagingDevice>(
     files: &[StagedFile],
     options: &StagingOptions,
 ) -> Result<Vec<ReadPath>> {
-    let block = plan::align_up(options.block.max(IO_ALIGN), IO_ALIGN);
+    let block = plan::io_block(options.block);
     let readers = files.iter().map(|f| BlockReader::open(f.src, f.direct)).collect::<Result<Vec<_>>>()?;
     let jobs: Vec<_> = files
         .iter()

@@ -15,11 +15,9 @@ Exit status: 0 when every file is valid, 1 when one is not, 2 on a usage error.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import logging
-import mmap
 import os
 import statistics
 import sys
@@ -283,33 +281,13 @@ def _verify_data(f: Dict[str, Any], args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------------------- bench
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-
-
 def resident_fraction(path: str) -> Optional[float]:
-    """Fraction of the file's pages in the page cache (mincore), or None if unknown."""
-    size = os.path.getsize(path)
-    if size == 0:
-        return 1.0
-    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-    fd = os.open(path, os.O_RDONLY)
+    """Fraction of the file's pages in the page cache, as the loader's `auto` reader sees
+    it, or None if the kernel will not say."""
     try:
-        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            return None
-        try:
-            vec = (ctypes.c_ubyte * pages)()
-            if _libc.mincore(addr, size, vec) != 0:
-                return None
-            return sum(b & 1 for b in vec) / pages
-        finally:
-            _libc.munmap(addr, size)
-    finally:
-        os.close(fd)
+        return ops.resident_fraction(path)
+    except RuntimeError:
+        return None
 
 
 def evict(path: str) -> None:

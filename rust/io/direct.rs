@@ -17,7 +17,7 @@ use crate::plan::{self, ReadBlock, IO_ALIGN};
 
 /// Reads the whole file into fresh page-aligned memory, `block` bytes per request.
 pub fn read(src: &SourceFile, block: u64) -> Result<HostBuffer> {
-    let block = plan::align_up(block.max(IO_ALIGN), IO_ALIGN);
+    let block = plan::io_block(block);
     let blocks = plan::read_blocks(src.len, IO_ALIGN, block);
     let len = plan::align_up(src.len, IO_ALIGN) as usize;
     let mut map = MmapMut::map_anon(len).map_err(|e| Error::io(&src.path, "allocate", e))?;

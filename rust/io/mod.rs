@@ -222,7 +222,12 @@ impl SourceFile {
     /// Whether (nearly) all of the file is in the page cache, so reading it through the
     /// cache beats O_DIRECT.
     pub fn is_resident(&self) -> Result<bool> {
-        Ok(mmap::resident_fraction(self)? >= RESIDENT_THRESHOLD)
+        Ok(self.resident_fraction()? >= RESIDENT_THRESHOLD)
+    }
+
+    /// Fraction of the file's pages in the page cache.
+    pub fn resident_fraction(&self) -> Result<f64> {
+        mmap::resident_fraction(self)
     }
 }
 

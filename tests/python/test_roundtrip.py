@@ -629,3 +629,13 @@ def test_two_mmap_loads_are_independent(medium_file):
     assert pa == pb == ["mmap"]
     a["a.weight"].view(torch.uint8).fill_(0)
     U.assert_same_tensor(b["a.weight"], written["a.weight"], "a.weight")
+
+
+def test_resident_fraction_op_follows_the_page_cache(tmp_path):
+    path = U.write_checkpoint(tmp_path / "res.safetensors", {"w": torch.ones(1 << 18)})
+    U.make_warm(path)
+    assert ops.resident_fraction(str(path)) >= 0.99
+    U.make_cold(path)
+    assert ops.resident_fraction(str(path)) < 0.01
+    with pytest.raises(RuntimeError, match="missing.safetensors"):
+        ops.resident_fraction(str(tmp_path / "missing.safetensors"))
