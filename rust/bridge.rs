@@ -180,13 +180,6 @@ impl PlannedFiles {
 
     fn copy_to_cuda(&self, ordinal: usize, dsts: &Vec<u64>, reader: &str, nogds: i32) -> Result<Vec<String>> {
         guard(|| {
-            if dsts.len() != self.planned.sources.len() {
-                return Err(Error::InvalidArgument(format!(
-                    "{} destinations for {} files",
-                    dsts.len(),
-                    self.planned.sources.len()
-                )));
-            }
             let gds = GdsMode::from_nogds(match nogds {
                 0 => Some(false),
                 1 => Some(true),

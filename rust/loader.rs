@@ -118,7 +118,13 @@ impl Planned {
         dsts: &[u64],
         options: &DeviceOptions,
     ) -> Result<Vec<ReadPath>> {
-        assert_eq!(dsts.len(), self.sources.len(), "one destination per file");
+        if dsts.len() != self.sources.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} destinations for {} files",
+                dsts.len(),
+                self.sources.len()
+            )));
+        }
         let mut paths: Vec<Option<ReadPath>> = vec![None; self.sources.len()];
         if options.gds != GdsMode::Never {
             for (i, src) in self.sources.iter().enumerate() {
