@@ -24,7 +24,7 @@ $(DEPS): requirements-dev.txt | $(PY)
 venv: $(DEPS)
 
 # The extension is built in place (editable install): cargo builds the staticlib, then
-# setuptools compiles csrc/ and links it into python/fastsafetensors/_C*.so.
+# setuptools compiles csrc/ and links it into python/fastsafetensors_rs/_C*.so.
 $(BUILT): $(DEPS) $(SOURCES)
 	@command -v cargo >/dev/null || { echo "cargo is required: install Rust (https://rustup.rs)"; exit 1; }
 	$(PIP) install --no-build-isolation --no-deps -e .
@@ -59,7 +59,7 @@ $(CPP_EXAMPLE): examples/cpp/load.cpp | $(BUILT)
 	TORCH_DIR=$$($(PY) -c 'import os, torch; print(os.path.dirname(torch.__file__))') && \
 	$(CXX) -std=c++20 -O2 -I$$TORCH_DIR/include $< -o $@ \
 	    -L$$TORCH_DIR/lib -Wl,-rpath,$$TORCH_DIR/lib -lc10 -ltorch_cpu -ldl
-	@echo "run: $@ $$($(PY) -c 'import fastsafetensors; print(fastsafetensors.LIBRARY_PATH)') FILE.safetensors..."
+	@echo "run: $@ $$($(PY) -c 'import fastsafetensors_rs; print(fastsafetensors_rs.LIBRARY_PATH)') FILE.safetensors..."
 
 cpp-example: $(CPP_EXAMPLE)
 
@@ -71,7 +71,7 @@ gpu-check: build
 	$(PY) tests/gpu/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf target build python/fastsafetensors/_C*.so $(BUILT) .tf4
+	rm -rf target build python/fastsafetensors_rs/_C*.so $(BUILT) .tf4
 
 # Fuzzing: `make fuzz FUZZ_SECONDS=60` runs each fuzz target for that many seconds, starting
 # from its seeds in fuzz/corpus/<target>/ (fuzz/make_seeds.py writes them). cargo-fuzz is

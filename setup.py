@@ -1,4 +1,4 @@
-"""Builds the Rust staticlib with cargo, then the torch extension `fastsafetensors._C`."""
+"""Builds the Rust staticlib with cargo, then the torch extension `fastsafetensors_rs._C`."""
 
 import os
 import subprocess
@@ -24,7 +24,7 @@ class BuildWithCargo(BuildExtension):
 
 
 extension = CppExtension(
-    name="fastsafetensors._C",
+    name="fastsafetensors_rs._C",
     sources=["csrc/ops.cpp"],
     include_dirs=[os.path.join(TARGET, "cxxbridge")],
     extra_compile_args=["-O2", "-fvisibility=hidden"],
@@ -34,15 +34,15 @@ extension = CppExtension(
 )
 
 setup(
-    name="fastsafetensors",
+    name="fastsafetensors-rs",
     version="0.1.0",
     description="Fast .safetensors loading into CPU or GPU memory (Rust core, torch ops)",
-    packages=["fastsafetensors"],
+    packages=["fastsafetensors_rs"],
     package_dir={"": "python"},
     ext_modules=[extension],
     cmdclass={"build_ext": BuildWithCargo},
     python_requires=">=3.9",
     install_requires=["torch>=2.5"],
     # vLLM loads general plugins from this group: it adds the load format `fastsafetensors_rs`.
-    entry_points={"vllm.general_plugins": ["fastsafetensors_rs = fastsafetensors.vllm_plugin:register"]},
+    entry_points={"vllm.general_plugins": ["fastsafetensors_rs = fastsafetensors_rs.vllm_plugin:register"]},
 )

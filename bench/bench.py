@@ -175,8 +175,8 @@ def load(loader: str, files: list[str]) -> dict[str, Any]:
     if kind == "ours":  # one call for all files
         return torch.ops.fastsafetensors.load(files, reader=option or None)
     if kind == "ours-file":
-        import fastsafetensors
-        return {k: v for f in files for k, v in fastsafetensors.load_file(f).items()}
+        import fastsafetensors_rs
+        return {k: v for f in files for k, v in fastsafetensors_rs.load_file(f).items()}
     from safetensors.torch import load_file
     return {k: v for f in files for k, v in load_file(f, backend=option or "mmap").items()}
 
@@ -203,7 +203,7 @@ def worker(loader: str, files: list[str]) -> dict[str, Any]:
         return {"seconds": time.perf_counter() - start, "bytes": nbytes}
     import torch  # imports happen before the clock starts
     if loader.startswith("ours"):
-        import fastsafetensors  # noqa: F401  (registers torch.ops.fastsafetensors)
+        import fastsafetensors_rs  # noqa: F401  (registers torch.ops.fastsafetensors)
     elif loader.startswith("safetensors"):
         import safetensors.torch  # noqa: F401
     if loader == "memcpy":  # pre-faulted source and destination
@@ -225,7 +225,7 @@ def verify(files: list[str]) -> dict[str, Any]:
     import torch
     from safetensors import safe_open
     try:
-        import fastsafetensors  # noqa: F401
+        import fastsafetensors_rs  # noqa: F401
         torch.ops.fastsafetensors.load  # noqa: B018
     except (ImportError, AttributeError, RuntimeError) as exc:
         return {"available": False, "reason": f"{type(exc).__name__}: {exc}"}
@@ -389,7 +389,7 @@ def main() -> int:
         if "error" in check:
             print(f"correctness: FAILED, the check crashed: {check['error']}")
         elif not available:
-            print(f"fastsafetensors is not importable, skipping its rows: {check['reason']}")
+            print(f"fastsafetensors_rs is not importable, skipping its rows: {check['reason']}")
         else:
             print("correctness: " + ("FAILED: " + "; ".join(check["errors"]) if failed else
                   f"OK, every tensor bitwise equal (ours-file; ours, readers {', '.join(READERS)})"))

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save_file
 
-import fastsafetensors
+import fastsafetensors_rs
 
 DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "demo-data")
 FILES = 4
@@ -62,9 +62,9 @@ def main() -> int:
     nbytes = sum(os.path.getsize(p) for p in paths)
     print(f"checkpoint: {len(paths)} files, {nbytes / 1e6:.0f} MB in {os.path.relpath(DIR)}")
 
-    ours, ours_s = timed(lambda: fastsafetensors.ops.load_with_report(paths))
+    ours, ours_s = timed(lambda: fastsafetensors_rs.ops.load_with_report(paths))
     tensors, read_paths = ours
-    print(f"fastsafetensors.load: {len(tensors)} tensors in {ours_s * 1e3:.1f} ms "
+    print(f"fastsafetensors_rs.load: {len(tensors)} tensors in {ours_s * 1e3:.1f} ms "
           f"({nbytes / ours_s / 1e9:.2f} GB/s); files read with: {', '.join(read_paths)}")
 
     ref, ref_s = timed(lambda: {k: v for p in paths for k, v in st_load_file(p).items()})
@@ -77,7 +77,7 @@ def main() -> int:
         t = tensors[name]
         print(f"  {name}: {t.dtype} {tuple(t.shape)}")
 
-    as_f32 = fastsafetensors.load(paths[:1], dtype=torch.float32)
+    as_f32 = fastsafetensors_rs.load(paths[:1], dtype=torch.float32)
     print(f"with dtype=torch.float32: {next(iter(as_f32.values())).dtype}")
     return 0 if same else 1
 

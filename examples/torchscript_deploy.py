@@ -26,7 +26,7 @@ from typing import Dict, List
 
 import torch
 
-import fastsafetensors  # registers torch.ops.fastsafetensors
+import fastsafetensors_rs  # registers torch.ops.fastsafetensors
 
 
 class MLP(torch.nn.Module):
@@ -107,7 +107,7 @@ def main() -> int:
         torch.jit.save(scripted, module_path)
 
         proc = subprocess.run(
-            [sys.executable, "-c", DEPLOY_SIDE, fastsafetensors.LIBRARY_PATH, module_path, checkpoint,
+            [sys.executable, "-c", DEPLOY_SIDE, fastsafetensors_rs.LIBRARY_PATH, module_path, checkpoint,
              inputs_path, out_path],
             capture_output=True, text=True,
         )

@@ -2,8 +2,8 @@
 //
 //   fst_load [--device DEV] [--dtype float32|float16|bfloat16] LIBRARY FILE...
 //
-// LIBRARY is fastsafetensors' compiled extension (`python -c "import fastsafetensors;
-// print(fastsafetensors.LIBRARY_PATH)"`). Loading it registers the ops with the dispatcher
+// LIBRARY is fastsafetensors' compiled extension (`python -c "import fastsafetensors_rs;
+// print(fastsafetensors_rs.LIBRARY_PATH)"`). Loading it registers the ops with the dispatcher
 // (TORCH_LIBRARY static initialisers); the op is then found by name and called with the
 // boxed calling convention, as TorchScript calls it. One JSON line is printed per tensor:
 // name, dtype, shape and the sum of its bytes (a checksum to compare with Python).

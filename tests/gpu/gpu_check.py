@@ -27,7 +27,7 @@ from safetensors import safe_open as st_safe_open
 from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save_file
 
-import fastsafetensors
+import fastsafetensors_rs
 
 DTYPES = [
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -100,15 +100,15 @@ def correctness(tmp: str) -> None:
     all_dtypes_file(path)
     ref = st_load_file(path)
     for label, kwargs in paths_to_check():
-        got, taken = fastsafetensors.ops.load_with_report([path], "cuda", None, kwargs.get("reader"), kwargs.get("nogds"))
+        got, taken = fastsafetensors_rs.ops.load_with_report([path], "cuda", None, kwargs.get("reader"), kwargs.get("nogds"))
         check(all(t.is_cuda for t in got.values()), f"{label}: every tensor on cuda ({taken})")
         check(got.keys() == ref.keys() and all(same(got[k], ref[k]) for k in ref), f"{label}: all dtypes bit-exact")
     bad = os.path.join(tmp, "misaligned.safetensors")
     expected = misaligned_file(bad)
-    got = fastsafetensors.load_file(bad, device="cuda")
+    got = fastsafetensors_rs.load_file(bad, device="cuda")
     check(all(same(got[k], v) for k, v in expected.items()), "misaligned tensors bit-exact")
     check(all(got[k].data_ptr() % got[k].element_size() == 0 for k in got), "misaligned tensors realigned")
-    got = fastsafetensors.load_file(path, device="cuda", dtype=torch.float16)
+    got = fastsafetensors_rs.load_file(path, device="cuda", dtype=torch.float16)
     check(got["t1"].dtype == torch.float16 and got["t1"].is_cuda and torch.equal(got["t1"].cpu(), ref["t1"].half()),
           "dtype cast on the device")
 
@@ -120,7 +120,7 @@ def memory(tmp: str) -> None:
     gc.collect()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    tensors = fastsafetensors.load_file(path, device="cuda")
+    tensors = fastsafetensors_rs.load_file(path, device="cuda")
     during = torch.cuda.memory_allocated()
     size = os.path.getsize(path)
     check(during - before >= size, f"memory_allocated grew by {(during - before) >> 20} MiB for a {size >> 20} MiB file")
@@ -198,7 +198,7 @@ def throughput(tmp: str, size_gb: float, runs: int) -> None:
         save_file({f"layer{i}.w{j}": torch.empty(rows // 8, 4096, dtype=torch.bfloat16) for j in range(8)}, f)
         files.append(f)
     nbytes = sum(map(os.path.getsize, files))
-    loaders = {label: (lambda kw=kw: fastsafetensors.load(files, device="cuda", **kw)) for label, kw in paths_to_check()}
+    loaders = {label: (lambda kw=kw: fastsafetensors_rs.load(files, device="cuda", **kw)) for label, kw in paths_to_check()}
     loaders["safetensors"] = lambda: safetensors_to_cuda(files)
     results = {(name, temp): nbytes / timed(fn, files, temp == "cold", runs) / 1e9
                for name, fn in loaders.items() for temp in ("cold", "warm")}

@@ -252,7 +252,7 @@ def expected_direct_path(directory) -> str:
 # ---------------------------------------------------------------- subprocesses
 
 def _package_parent() -> str | None:
-    spec = importlib.util.find_spec("fastsafetensors")
+    spec = importlib.util.find_spec("fastsafetensors_rs")
     if spec is None or not spec.submodule_search_locations:
         return None
     return str(Path(list(spec.submodule_search_locations)[0]).parent)
@@ -297,7 +297,7 @@ def check_output(proc: subprocess.CompletedProcess) -> str:
 def vllm_weights_iterator(hf_weights_files):
     """The body of vLLM's (and SGLang's) fastsafetensors_weights_iterator, as they wrote it
     for fastsafetensors 0.5 but with the device made "cpu": the names it uses must exist."""
-    from fastsafetensors import SafeTensorsFileLoader, SingleGroup
+    from fastsafetensors_rs import SafeTensorsFileLoader, SingleGroup
 
     if torch.distributed.is_initialized():
         pg = torch.distributed.group.WORLD

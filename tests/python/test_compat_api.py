@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file as st_load_file
 
-import fastsafetensors as fst
+import fastsafetensors_rs as fst
 import fst_testutils as U
-from fastsafetensors.compat.types import pick_cuda_index
+from fastsafetensors_rs.compat.types import pick_cuda_index
 
 MiB = 1 << 20
 FLOATS = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
@@ -42,8 +42,8 @@ def test_public_names_are_exported():
     for name in ("SafeTensorsFileLoader", "SingleGroup", "FilesBufferOnDevice", "fastsafe_open",
                  "ParallelLoader", "DType"):
         assert hasattr(fst, name) and name in fst.__all__
-    from fastsafetensors.loader import SafeTensorsFileLoader, fastsafe_open  # TGIS-style
-    from fastsafetensors.parallel_loader import ParallelLoader  # as vLLM imports it
+    from fastsafetensors_rs.loader import SafeTensorsFileLoader, fastsafe_open  # TGIS-style
+    from fastsafetensors_rs.parallel_loader import ParallelLoader  # as vLLM imports it
 
     assert ParallelLoader is fst.ParallelLoader
     assert (SafeTensorsFileLoader, fastsafe_open) == (fst.SafeTensorsFileLoader, fst.fastsafe_open)
@@ -168,7 +168,7 @@ def test_device_index_is_the_local_one(requested, env, current, expected):
 
 
 def test_device_index_rank_remap_warns_and_unknown_index_fails(caplog):
-    with caplog.at_level(logging.WARNING, logger="fastsafetensors.compat"):
+    with caplog.at_level(logging.WARNING, logger="fastsafetensors_rs.compat"):
         assert pick_cuda_index(12, rank_hints=[12, 4], device_count=4, current_device=0,
                                env={"LOCAL_RANK": "0"}) == 0
     assert "cuda:12" in caplog.text and "LOCAL_RANK" in caplog.text
@@ -218,7 +218,7 @@ def test_a_closed_buffer_says_so(medium_file):
 
 PL_RSS_SCRIPT = r"""
 import gc, json, sys, torch, psutil
-import fastsafetensors as fst
+import fastsafetensors_rs as fst
 files = sys.argv[1:]
 proc = psutil.Process()
 rss = lambda: proc.memory_info().rss

@@ -205,7 +205,7 @@ class Worker:
         return out
 
     def buffer(self, names, owners, **copy_kwargs):
-        import fastsafetensors as fst
+        import fastsafetensors_rs as fst
 
         loader = fst.SafeTensorsFileLoader(self.pg, "cpu")
         loader.add_filenames(self.paths(names, owners))
@@ -236,7 +236,7 @@ class Worker:
         return out
 
     def dtype(self) -> dict:
-        import fastsafetensors as fst
+        import fastsafetensors_rs as fst
 
         owners = owner_map(len(SPREAD), self.world)
         out = {}
@@ -305,8 +305,8 @@ class Worker:
 
     def vllm(self) -> dict:
         """The two shapes of vLLM's fastsafetensors_weights_iterator, run unchanged."""
-        from fastsafetensors import SafeTensorsFileLoader, SingleGroup  # noqa: F401
-        from fastsafetensors.parallel_loader import ParallelLoader
+        from fastsafetensors_rs import SafeTensorsFileLoader, SingleGroup  # noqa: F401
+        from fastsafetensors_rs.parallel_loader import ParallelLoader
 
         hf = self.d / HF_DIR
         index = json.loads((hf / "model.safetensors.index.json").read_text())
@@ -335,7 +335,7 @@ class Worker:
 
     def tgis(self) -> dict:
         """The calls of a TGIS-style tensor-parallel weights class, run unchanged."""
-        from fastsafetensors.loader import SafeTensorsFileLoader
+        from fastsafetensors_rs.loader import SafeTensorsFileLoader
 
         pg, device, dtype = self.pg, torch.device("cpu"), torch.float16
         filenames = [str(self.d / QKV_A), str(self.d / QKV_B)]
@@ -370,7 +370,7 @@ class Worker:
     def subgroup(self) -> dict:
         """A process group of the last two ranks (group ranks 0 and 1), so that group ranks
         and global ranks differ when the world has 3."""
-        import fastsafetensors as fst
+        import fastsafetensors_rs as fst
 
         members = [self.world - 2, self.world - 1]
         sub = self.dist.new_group(members)
@@ -390,7 +390,7 @@ class Worker:
 
     def load_error(self) -> dict:
         """The last rank's file disappears between add_filenames and the read."""
-        import fastsafetensors as fst
+        import fastsafetensors_rs as fst
 
         files = {r: [str(self.d / ERR[r])] for r in range(self.world)}
         victim = self.d / ERR[self.world - 1]
@@ -421,7 +421,7 @@ class Worker:
         so that freed memory leaves the RSS."""
         import psutil
 
-        import fastsafetensors as fst
+        import fastsafetensors_rs as fst
 
         proc = psutil.Process()
         warm = torch.zeros(MEM_SHAPE)  # warm up gloo and the allocator on the same sizes

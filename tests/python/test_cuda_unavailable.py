@@ -12,10 +12,10 @@ from safetensors.torch import save_file
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: see tests/gpu")
 
 CALLS = [
-    "fastsafetensors.load_file(path, device='cuda')",
-    "fastsafetensors.load([path], device='cuda:0', dtype=torch.float16)",
-    "fastsafetensors.load_file(path, device=0, nogds=False)",
-    "fastsafetensors.safe_open(path, device='cuda').get_tensor('w')",
+    "fastsafetensors_rs.load_file(path, device='cuda')",
+    "fastsafetensors_rs.load([path], device='cuda:0', dtype=torch.float16)",
+    "fastsafetensors_rs.load_file(path, device=0, nogds=False)",
+    "fastsafetensors_rs.safe_open(path, device='cuda').get_tensor('w')",
     "torch.ops.fastsafetensors.load([path], 'cuda', None, None, True)",
 ]
 
@@ -25,7 +25,7 @@ def test_cuda_without_a_driver_is_a_clear_error(tmp_path, call):
     path = tmp_path / "m.safetensors"
     save_file({"w": torch.ones(4)}, str(path))
     script = textwrap.dedent(f"""
-        import time, torch, fastsafetensors
+        import time, torch, fastsafetensors_rs
         path = {str(path)!r}
         start = time.monotonic()
         try:
@@ -47,7 +47,7 @@ def test_cuda_without_a_driver_is_a_clear_error(tmp_path, call):
 def test_unknown_device_is_rejected(tmp_path):
     path = tmp_path / "m.safetensors"
     save_file({"w": torch.ones(4)}, str(path))
-    import fastsafetensors
+    import fastsafetensors_rs
 
     with pytest.raises(RuntimeError, match="only cpu and cuda"):
-        fastsafetensors.load_file(path, device="meta")
+        fastsafetensors_rs.load_file(path, device="meta")

@@ -10,7 +10,7 @@ import struct
 import pytest
 import torch
 
-import fastsafetensors
+import fastsafetensors_rs
 import fst_testutils as U
 
 ops = torch.ops.fastsafetensors
@@ -84,19 +84,19 @@ PY_ERRORS = (RuntimeError, ValueError, OSError)
 
 
 def _safe_open_everything(path):
-    with fastsafetensors.safe_open(path) as f:
+    with fastsafetensors_rs.safe_open(path) as f:
         for name in f.keys():
             f.get_tensor(name)
 
 
 def _compat_open_everything(path):
-    with fastsafetensors.fastsafe_open(path) as f:
+    with fastsafetensors_rs.fastsafe_open(path) as f:
         for name in f.keys():
             f.get_tensor(name)
 
 
 def _compat_loader(path):
-    loader = fastsafetensors.SafeTensorsFileLoader(fastsafetensors.SingleGroup(), "cpu")
+    loader = fastsafetensors_rs.SafeTensorsFileLoader(fastsafetensors_rs.SingleGroup(), "cpu")
     try:
         loader.add_filenames({0: [path]})
         loader.copy_files_to_device().close()
@@ -109,7 +109,7 @@ def _cli_verify(path):
     import contextlib
     import io
 
-    from fastsafetensors import cli
+    from fastsafetensors_rs import cli
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
@@ -125,8 +125,8 @@ ENTRY_POINTS = {
     "load_with_report": (lambda p: ops.load_with_report([p]), OP_ERRORS),
     "keys": (lambda p: ops.keys(p), OP_ERRORS),
     "metadata": (lambda p: ops.metadata(p), OP_ERRORS),
-    "load_file": (lambda p: fastsafetensors.load_file(p), PY_ERRORS),
-    "load_cast": (lambda p: fastsafetensors.load([p], dtype=torch.float32), PY_ERRORS),
+    "load_file": (lambda p: fastsafetensors_rs.load_file(p), PY_ERRORS),
+    "load_cast": (lambda p: fastsafetensors_rs.load([p], dtype=torch.float32), PY_ERRORS),
     "safe_open": (_safe_open_everything, PY_ERRORS),
     "fastsafe_open": (_compat_open_everything, PY_ERRORS),
     "SafeTensorsFileLoader": (_compat_loader, PY_ERRORS),
@@ -208,7 +208,7 @@ def test_duplicate_name_across_files(tmp_path, reader):
     assert "shared.weight" in msg and str(a) in msg and str(b) in msg, msg
     assert re.search("duplicate", msg, re.IGNORECASE), msg
     with pytest.raises(PY_ERRORS) as info:
-        fastsafetensors.load([str(a), str(b)], reader=reader)
+        fastsafetensors_rs.load([str(a), str(b)], reader=reader)
     msg = str(info.value)
     assert "shared.weight" in msg and str(a) in msg and str(b) in msg, msg
 
@@ -254,7 +254,7 @@ def test_empty_object_file_loads_empty(tmp_path, reader):
     assert tensors == {} and len(paths) == 1 and paths[0] in U.READ_PATHS
     assert ops.keys(str(path)) == []
     assert ops.metadata(str(path)) is None
-    assert fastsafetensors.load_file(path, reader=reader) == {}
+    assert fastsafetensors_rs.load_file(path, reader=reader) == {}
 
 
 @pytest.mark.parametrize("reader", U.READERS)
@@ -302,12 +302,12 @@ def test_every_error_in_one_process(bad_dir, tmp_path):
     files = [str(bad_dir / f"{case}.safetensors") for case in BAD_FILES] + [str(missing), str(directory)]
     proc = U.run_python(
         """
-        import json, sys, torch, fastsafetensors
+        import json, sys, torch, fastsafetensors_rs
         ops = torch.ops.fastsafetensors
         files, good = json.loads(sys.argv[1]), sys.argv[2]
 
         def safe_open_all(p):
-            with fastsafetensors.safe_open(p) as f:
+            with fastsafetensors_rs.safe_open(p) as f:
                 for k in f.keys():
                     f.get_tensor(k)
 
@@ -318,7 +318,7 @@ def test_every_error_in_one_process(bad_dir, tmp_path):
             lambda p: ops.load_with_report([p]),
             lambda p: ops.keys(p),
             lambda p: ops.metadata(p),
-            lambda p: fastsafetensors.load_file(p),
+            lambda p: fastsafetensors_rs.load_file(p),
             safe_open_all,
         ]
         raised = 0

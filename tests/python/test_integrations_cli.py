@@ -1,4 +1,4 @@
-"""`python -m fastsafetensors`: inspect, verify and bench, human and --json output, exit status."""
+"""`python -m fastsafetensors_rs`: inspect, verify and bench, human and --json output, exit status."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import fastsafetensors.progress as fst_progress
+import fastsafetensors_rs.progress as fst_progress
 import fst_testutils as U
-from fastsafetensors import cli
+from fastsafetensors_rs import cli
 
 
 def run(capsys, *argv):
@@ -212,13 +212,13 @@ def test_bench_json(capsys, model_dir):
     assert rc == 0
     assert doc["bytes"] == sum(os.path.getsize(p) for p in doc["files"])
     got = {(r["mode"], r["loader"]): r for r in doc["results"]}
-    assert set(got) == {(m, l) for m in ("cold", "warm") for l in ("fastsafetensors", "safetensors")}
+    assert set(got) == {(m, l) for m in ("cold", "warm") for l in ("fastsafetensors_rs", "safetensors")}
     for r in got.values():
         assert len(r["seconds"]) == 2 and r["median_s"] > 0 and r["gb_per_s"] > 0
-    assert got[("warm", "fastsafetensors")]["speedup_vs_safetensors"] > 0
+    assert got[("warm", "fastsafetensors_rs")]["speedup_vs_safetensors"] > 0
     rc, doc, _ = run_json(capsys, "bench", d, "--repeat", "1", "--modes", "warm", "--no-safetensors",
                           "--reader", "direct")
-    assert rc == 0 and [(r["mode"], r["loader"]) for r in doc["results"]] == [("warm", "fastsafetensors")]
+    assert rc == 0 and [(r["mode"], r["loader"]) for r in doc["results"]] == [("warm", "fastsafetensors_rs")]
     assert doc["reader"] == "direct"
 
 
@@ -238,16 +238,16 @@ def test_bench_human_and_errors(capsys, model_dir, tmp_path):
 
 def test_python_dash_m(model_dir, tmp_path):
     d, _ = model_dir
-    proc = U.run_python("import runpy; runpy.run_module('fastsafetensors', run_name='__main__')")
+    proc = U.run_python("import runpy; runpy.run_module('fastsafetensors_rs', run_name='__main__')")
     assert proc.returncode == 2 and "inspect" in proc.stderr
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "fastsafetensors", "inspect", "--json", str(d)],
+    proc = subprocess.run([sys.executable, "-m", "fastsafetensors_rs", "inspect", "--json", str(d)],
                           capture_output=True, text=True, env=U.subprocess_env(), timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["totals"]["tensors"] == 6
     bad = U.write_raw(tmp_path / "bad.safetensors", b"[]")
-    proc = subprocess.run([sys.executable, "-m", "fastsafetensors", "verify", "-v", str(bad)],
+    proc = subprocess.run([sys.executable, "-m", "fastsafetensors_rs", "verify", "-v", str(bad)],
                           capture_output=True, text=True, env=U.subprocess_env(), timeout=120)
     assert proc.returncode == 1 and str(bad) in proc.stdout

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import fastsafetensors
+import fastsafetensors_rs
 import fst_testutils as U
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,10 +74,10 @@ def _parse(stdout):
 def test_cpp_program_loads_what_python_loads(fst_load, checkpoint, reader):
     paths, tensors = checkpoint
     env = {"FASTSAFETENSORS_READER": reader} if reader else {}
-    proc = _run(fst_load, fastsafetensors.LIBRARY_PATH, *paths, env=env)
+    proc = _run(fst_load, fastsafetensors_rs.LIBRARY_PATH, *paths, env=env)
     assert proc.returncode == 0, proc.stderr
     rows = _parse(proc.stdout)
-    assert [r["name"] for r in rows] == list(fastsafetensors.load(paths))  # same order too
+    assert [r["name"] for r in rows] == list(fastsafetensors_rs.load(paths))  # same order too
     for r in rows:
         t = tensors[r["name"]]
         assert r["dtype"] == C10_NAMES[t.dtype], r
@@ -88,7 +88,7 @@ def test_cpp_program_loads_what_python_loads(fst_load, checkpoint, reader):
 
 def test_cpp_program_casts_with_dtype(fst_load, checkpoint):
     paths, tensors = checkpoint
-    proc = _run(fst_load, "--dtype", "float32", fastsafetensors.LIBRARY_PATH, *paths)
+    proc = _run(fst_load, "--dtype", "float32", fastsafetensors_rs.LIBRARY_PATH, *paths)
     assert proc.returncode == 0, proc.stderr
     for r in _parse(proc.stdout):
         t = tensors[r["name"]]
@@ -99,21 +99,21 @@ def test_cpp_program_casts_with_dtype(fst_load, checkpoint):
 def test_cpp_program_reports_errors(fst_load, checkpoint, tmp_path):
     paths, _ = checkpoint
     missing = tmp_path / "missing.safetensors"
-    proc = _run(fst_load, fastsafetensors.LIBRARY_PATH, paths[0], missing)
+    proc = _run(fst_load, fastsafetensors_rs.LIBRARY_PATH, paths[0], missing)
     assert proc.returncode == 1 and str(missing) in proc.stderr
     proc = _run(fst_load, tmp_path / "no_such_library.so", paths[0])
     assert proc.returncode == 1 and "cannot load" in proc.stderr
-    proc = _run(fst_load, fastsafetensors.LIBRARY_PATH)
+    proc = _run(fst_load, fastsafetensors_rs.LIBRARY_PATH)
     assert proc.returncode == 2 and "usage" in proc.stderr
     if not torch.cuda.is_available():
-        proc = _run(fst_load, "--device", "cuda", fastsafetensors.LIBRARY_PATH, paths[0])
+        proc = _run(fst_load, "--device", "cuda", fastsafetensors_rs.LIBRARY_PATH, paths[0])
         assert proc.returncode == 1 and "cuda" in proc.stderr
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cpp_program_loads_to_cuda(fst_load, checkpoint):
     paths, tensors = checkpoint
-    proc = _run(fst_load, "--device", "cuda:0", fastsafetensors.LIBRARY_PATH, *paths)
+    proc = _run(fst_load, "--device", "cuda:0", fastsafetensors_rs.LIBRARY_PATH, *paths)
     assert proc.returncode == 0, proc.stderr
     for r in _parse(proc.stdout):
         assert r["device"] == "cuda:0" and r["byte_sum"] == _byte_sum(tensors[r["name"]]), r

@@ -8,7 +8,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import fastsafetensors
+import fastsafetensors_rs
 import fst_testutils as U
 
 ops = torch.ops.fastsafetensors
@@ -127,4 +127,4 @@ def test_non_tensor_ops_run_under_fake_mode(multi_file_model):
         keys = ops.keys(path)
         md = ops.metadata(path)
     assert keys == sorted(names) and md == meta and len(dtypes) == len(shapes) == len(names)
-    assert fastsafetensors.load_file(path).keys() == set(keys)
+    assert fastsafetensors_rs.load_file(path).keys() == set(keys)

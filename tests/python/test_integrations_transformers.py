@@ -19,10 +19,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import fastsafetensors  # noqa: E402
-import fastsafetensors.api as fst_api  # noqa: E402
+import fastsafetensors_rs  # noqa: E402
+import fastsafetensors_rs.api as fst_api  # noqa: E402
 import fst_testutils as U  # noqa: E402
-from fastsafetensors import transformers_patch as tp  # noqa: E402
+from fastsafetensors_rs import transformers_patch as tp  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TF4_DIR = ROOT / ".tf4"
@@ -83,9 +83,9 @@ def load_calls(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _always_unpatched():
-    fastsafetensors.unpatch_transformers()
+    fastsafetensors_rs.unpatch_transformers()
     yield
-    fastsafetensors.unpatch_transformers()
+    fastsafetensors_rs.unpatch_transformers()
 
 
 def _inputs(arch):
@@ -128,7 +128,7 @@ def test_from_pretrained_is_bit_identical(saved_models, load_calls, arch, sharde
     assert (directory / "model.safetensors.index.json").exists() == sharded
     stock = cls.from_pretrained(str(directory))
     assert not load_calls
-    with fastsafetensors.patched_transformers():
+    with fastsafetensors_rs.patched_transformers():
         ours = cls.from_pretrained(str(directory))
     _assert_identical(stock, ours, arch)
     # Every shard was read by the loader, each once, in one bulk read.
@@ -144,7 +144,7 @@ def test_device_map_on_cpu(saved_models, load_calls, device_map):
     pytest.importorskip("accelerate")
     directory, cls = saved_models[("llama", True)]
     stock = cls.from_pretrained(str(directory), device_map=device_map)
-    with fastsafetensors.patched_transformers():
+    with fastsafetensors_rs.patched_transformers():
         ours = cls.from_pretrained(str(directory), device_map=device_map)
     _assert_identical(stock, ours, "llama")
     assert {p.device.type for p in ours.parameters()} == {"cpu"}
@@ -158,7 +158,7 @@ def test_dtype_conversion(saved_models, load_calls, kwarg, dtype):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch_dtype is deprecated in favour of dtype
         stock = cls.from_pretrained(str(directory), **{kwarg: dtype})
-        with fastsafetensors.patched_transformers():
+        with fastsafetensors_rs.patched_transformers():
             ours = cls.from_pretrained(str(directory), **{kwarg: dtype})
     want = torch.bfloat16 if dtype == "auto" else dtype
     assert {p.dtype for p in ours.parameters()} == {want}
@@ -172,7 +172,7 @@ def test_device_map_cuda(saved_models, load_calls, device_map):
     pytest.importorskip("accelerate")
     directory, cls = saved_models[("llama", True)]
     stock = cls.from_pretrained(str(directory), device_map=device_map)
-    with fastsafetensors.patched_transformers():
+    with fastsafetensors_rs.patched_transformers():
         ours = cls.from_pretrained(str(directory), device_map=device_map)
     assert {p.device.type for p in ours.parameters()} == {"cuda"}
     sd_stock, sd_ours = stock.state_dict(), ours.state_dict()
@@ -194,7 +194,7 @@ def test_load_sharded_checkpoint(saved_models, load_calls):
     torch.manual_seed(1)
     ours = cls(cfg).to(torch.bfloat16)
     fn(stock, str(directory))
-    with fastsafetensors.patched_transformers():
+    with fastsafetensors_rs.patched_transformers():
         fn(ours, str(directory))
     _assert_identical(stock, ours, "llama")
     assert sorted(f for c in load_calls for f in c) == _shards(directory)
@@ -209,7 +209,7 @@ def test_a_corrupt_shard_is_reported_by_name(saved_models, tmp_path):
     victim = sorted(broken.glob("*.safetensors"))[1]
     data = victim.read_bytes()
     victim.write_bytes(data[:-8])  # data no longer ends at the end of the file
-    with fastsafetensors.patched_transformers():
+    with fastsafetensors_rs.patched_transformers():
         with pytest.raises(Exception) as info:
             cls.from_pretrained(str(broken))
     assert str(victim) in str(info.value)
@@ -221,7 +221,7 @@ def test_a_corrupt_shard_is_reported_by_name(saved_models, tmp_path):
 def test_opening_reads_only_the_header_and_the_first_access_loads_in_bulk(saved_models, load_calls):
     directory, _ = saved_models[("llama", False)]
     path = str(directory / "model.safetensors")
-    with fastsafetensors.patched_transformers():
+    with fastsafetensors_rs.patched_transformers():
         opener = transformers.modeling_utils.safe_open
         f = opener(path, framework="pt", device="cpu", backend="mmap")
         assert isinstance(f, tp.PatchedSafeOpen)
@@ -273,7 +273,7 @@ def test_concurrent_first_access_loads_the_file_once(tmp_path, load_calls):
 def test_requests_the_loader_cannot_serve_go_to_safetensors(saved_models, load_calls):
     directory, _ = saved_models[("llama", False)]
     path = str(directory / "model.safetensors")
-    with fastsafetensors.patched_transformers():
+    with fastsafetensors_rs.patched_transformers():
         opener = transformers.modeling_utils.safe_open
         handle = opener(path, framework="numpy")
         assert not isinstance(handle, tp.PatchedSafeOpen)
@@ -294,7 +294,7 @@ def test_loader_options_reach_the_loader(saved_models, load_calls, monkeypatch):
         return real(files, device=device, dtype=dtype, reader=reader, nogds=nogds)
 
     monkeypatch.setattr(fst_api, "load", spy)
-    with fastsafetensors.patched_transformers(reader="mmap"):
+    with fastsafetensors_rs.patched_transformers(reader="mmap"):
         cls.from_pretrained(str(directory))
     assert seen == ["mmap"]
 
@@ -313,36 +313,36 @@ def test_patch_and_unpatch_restore_the_originals():
 
     before = _current()
     assert transformers.modeling_utils.safe_open is safetensors.safe_open
-    patched = fastsafetensors.patch_transformers()
+    patched = fastsafetensors_rs.patch_transformers()
     assert "transformers.modeling_utils.safe_open" in patched
     if MAJOR >= 5:
         assert "transformers.modeling_layers.safe_open" in patched
     else:
         assert "transformers.modeling_utils.safe_load_file" in patched
-    assert fastsafetensors.patch_transformers() == patched  # idempotent
+    assert fastsafetensors_rs.patch_transformers() == patched  # idempotent
     assert all(getattr(v, "_fastsafetensors", False) for v in _current().values())
     assert tp.is_transformers_patched()
-    fastsafetensors.unpatch_transformers()
+    fastsafetensors_rs.unpatch_transformers()
     assert _current() == before
     assert transformers.modeling_utils.safe_open is safetensors.safe_open
     assert not tp.is_transformers_patched()
-    fastsafetensors.unpatch_transformers()  # a second unpatch is a no-op
+    fastsafetensors_rs.unpatch_transformers()  # a second unpatch is a no-op
     assert _current() == before
 
 
 def test_context_manager_restores_the_previous_state():
     before = _current()
-    with fastsafetensors.patched_transformers():
+    with fastsafetensors_rs.patched_transformers():
         assert tp.is_transformers_patched()
     assert _current() == before
     with pytest.raises(KeyError):
-        with fastsafetensors.patched_transformers():
+        with fastsafetensors_rs.patched_transformers():
             raise KeyError("boom")
     assert _current() == before
     # Inside a global patch, leaving the block keeps the global patch.
-    fastsafetensors.patch_transformers(reader="direct")
+    fastsafetensors_rs.patch_transformers(reader="direct")
     patched = _current()
-    with fastsafetensors.patched_transformers(reader="mmap"):
+    with fastsafetensors_rs.patched_transformers(reader="mmap"):
         assert tp._options == {"reader": "mmap"}
     assert _current() == patched
     assert tp._options == {"reader": "direct"}

@@ -14,11 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file as st_load_file
 
-import fastsafetensors
-import fastsafetensors.api as fst_api
-import fastsafetensors.progress as fst_progress
+import fastsafetensors_rs
+import fastsafetensors_rs.api as fst_api
+import fastsafetensors_rs.progress as fst_progress
 import fst_testutils as U
-from fastsafetensors import vllm_plugin
+from fastsafetensors_rs import vllm_plugin
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def shards(tmp_path):
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 def test_yields_every_checkpoint_tensor_file_by_file(shards, prefetch):
     paths, tensors = shards
-    got = list(fastsafetensors.weights_iterator(paths, prefetch=prefetch))
+    got = list(fastsafetensors_rs.weights_iterator(paths, prefetch=prefetch))
     names = [n for n, _ in got]
     assert sorted(names) == sorted(tensors)
     assert len(names) == len(set(names))
@@ -64,7 +64,7 @@ def test_yields_every_checkpoint_tensor_file_by_file(shards, prefetch):
 
 def test_positional_use_like_vllm(shards):
     paths, tensors = shards
-    it = fastsafetensors.weights_iterator(paths, False)
+    it = fastsafetensors_rs.weights_iterator(paths, False)
     assert iter(it) is it
     name, t = next(it)
     assert isinstance(name, str) and isinstance(t, torch.Tensor)
@@ -75,7 +75,7 @@ def test_positional_use_like_vllm(shards):
 
 def test_tensors_stay_valid_after_the_iterator_stops_early(shards):
     paths, tensors = shards
-    it = fastsafetensors.weights_iterator(paths, prefetch=1)
+    it = fastsafetensors_rs.weights_iterator(paths, prefetch=1)
     kept = [next(it) for _ in range(5)]  # into the second file
     it.close()
     del it
@@ -86,7 +86,7 @@ def test_tensors_stay_valid_after_the_iterator_stops_early(shards):
 
 def test_the_iterator_keeps_no_reference_to_what_it_yielded(shards):
     paths, _ = shards
-    it = fastsafetensors.weights_iterator(paths)
+    it = fastsafetensors_rs.weights_iterator(paths)
     name, t = next(it)
     ref = weakref.ref(t)
     del t
@@ -105,7 +105,7 @@ def test_device_dtype_and_reader_reach_the_loader(shards, monkeypatch):
         return real(files, device=device, dtype=dtype, reader=reader, nogds=nogds)
 
     monkeypatch.setattr(fst_api, "load", spy)
-    got = dict(fastsafetensors.weights_iterator(paths, device="cpu", dtype=torch.float32, reader="mmap"))
+    got = dict(fastsafetensors_rs.weights_iterator(paths, device="cpu", dtype=torch.float32, reader="mmap"))
     assert [c[0] for c in calls] == [[p] for p in paths]  # one bulk read per file
     assert {c[1:] for c in calls} == {("cpu", torch.float32, "mmap", None)}
     for name, t in tensors.items():
@@ -117,7 +117,7 @@ def test_device_dtype_and_reader_reach_the_loader(shards, monkeypatch):
 def test_a_bad_file_fails_when_reached_and_names_it(shards, tmp_path, prefetch):
     paths, tensors = shards
     bad = str(U.write_raw(tmp_path / "bad.safetensors", b'{"x": 1}'))
-    it = fastsafetensors.weights_iterator([paths[0], bad, paths[1]], prefetch=prefetch)
+    it = fastsafetensors_rs.weights_iterator([paths[0], bad, paths[1]], prefetch=prefetch)
     first = [next(it) for _ in range(4)]  # all of the first file
     assert sorted(n for n, _ in first) == sorted(n for n in tensors if ".layers.0." in n)
     with pytest.raises(RuntimeError, match=bad):
@@ -127,20 +127,20 @@ def test_a_bad_file_fails_when_reached_and_names_it(shards, tmp_path, prefetch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_straight_to_the_gpu(shards):
     paths, tensors = shards
-    got = dict(fastsafetensors.weights_iterator(paths, device="cuda:0", prefetch=1))
+    got = dict(fastsafetensors_rs.weights_iterator(paths, device="cuda:0", prefetch=1))
     assert {t.device for t in got.values()} == {torch.device("cuda", 0)}
     U.assert_same_dict({k: v.cpu() for k, v in got.items()}, tensors)
 
 
 def test_enable_logging_rejects_unknown_levels():
     with pytest.raises(ValueError, match="chatty"):
-        fastsafetensors.enable_logging("chatty")
+        fastsafetensors_rs.enable_logging("chatty")
 
 
 def test_empty_and_invalid_arguments(shards):
-    assert list(fastsafetensors.weights_iterator([])) == []
+    assert list(fastsafetensors_rs.weights_iterator([])) == []
     with pytest.raises(ValueError):
-        list(fastsafetensors.weights_iterator(shards[0], prefetch=-1))
+        list(fastsafetensors_rs.weights_iterator(shards[0], prefetch=-1))
 
 
 def test_progress_bar_only_when_asked(shards, capsys, monkeypatch):
@@ -148,14 +148,14 @@ def test_progress_bar_only_when_asked(shards, capsys, monkeypatch):
     paths, _ = shards
     monkeypatch.setattr(fst_progress, "DELAY_S", 0)  # show even this fast load
     monkeypatch.delenv(fst_progress.ENV_PROGRESS, raising=False)
-    list(fastsafetensors.weights_iterator(paths))
+    list(fastsafetensors_rs.weights_iterator(paths))
     assert "Loading safetensors" not in capsys.readouterr().err
-    list(fastsafetensors.weights_iterator(paths, True))
+    list(fastsafetensors_rs.weights_iterator(paths, True))
     assert "Loading safetensors" in capsys.readouterr().err
     monkeypatch.setenv(fst_progress.ENV_PROGRESS, "1")
-    list(fastsafetensors.weights_iterator(paths))
+    list(fastsafetensors_rs.weights_iterator(paths))
     assert "Loading safetensors" in capsys.readouterr().err
-    list(fastsafetensors.weights_iterator(paths, False))  # an explicit choice beats the variable
+    list(fastsafetensors_rs.weights_iterator(paths, False))  # an explicit choice beats the variable
     assert "Loading safetensors" not in capsys.readouterr().err
 
 
@@ -170,12 +170,12 @@ def test_package_import_pulls_in_no_optional_dependency(shards):
         import sys
         for name in ("tqdm", "tqdm.auto", "transformers", "vllm"):
             sys.modules[name] = None  # any import of these now raises ImportError
-        import fastsafetensors
-        from fastsafetensors import vllm_plugin
+        import fastsafetensors_rs
+        from fastsafetensors_rs import vllm_plugin
         assert vllm_plugin.register() is False
-        got = dict(fastsafetensors.weights_iterator(sys.argv[1:], True))
+        got = dict(fastsafetensors_rs.weights_iterator(sys.argv[1:], True))
         try:
-            fastsafetensors.patch_transformers()
+            fastsafetensors_rs.patch_transformers()
         except ImportError as e:
             assert "transformers" in str(e)
         else:
@@ -191,7 +191,7 @@ def test_package_import_does_not_import_transformers_or_vllm():
     proc = U.run_python(
         """
         import sys
-        import fastsafetensors
+        import fastsafetensors_rs
         print(sorted(m for m in ("transformers", "vllm") if m in sys.modules))
         """
     )
@@ -200,8 +200,8 @@ def test_package_import_does_not_import_transformers_or_vllm():
 
 def test_log_env_var_turns_on_debug_logging(shards):
     code = """
-        import sys, fastsafetensors
-        list(fastsafetensors.weights_iterator(sys.argv[1:], reader="mmap"))
+        import sys, fastsafetensors_rs
+        list(fastsafetensors_rs.weights_iterator(sys.argv[1:], reader="mmap"))
         """
     proc = U.run_python(code, *shards[0], env={"FASTSAFETENSORS_LOG": "debug"})
     U.check_output(proc)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file as st_load_file
 
-import fastsafetensors
+import fastsafetensors_rs
 import fst_testutils as U
 
 ops = torch.ops.fastsafetensors
@@ -51,7 +51,7 @@ def test_views_outlive_their_base(medium_file, reader):
 
 def test_safe_open_tensors_outlive_the_handle(medium_file):
     path, written = medium_file
-    f = fastsafetensors.safe_open(path)
+    f = fastsafetensors_rs.safe_open(path)
     ref = weakref.ref(f) if _weakrefable(f) else None
     tensors = {name: f.get_tensor(name) for name in f.keys()}
     part = f.get_slice("a.weight")[3:7]
@@ -145,7 +145,7 @@ def gib_checkpoint(tmp_path_factory):
 
 
 RSS_SCRIPT = r"""
-import gc, json, sys, torch, psutil, fastsafetensors
+import gc, json, sys, torch, psutil, fastsafetensors_rs
 path, reader, n, expected_path = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 expected = json.loads(open(expected_path).read())
 ops = torch.ops.fastsafetensors

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save_file
 
-import fastsafetensors
+import fastsafetensors_rs
 
 
 def write(path, seed: int, n: int = 4):
@@ -37,13 +37,13 @@ def test_many_threads_load_the_same_and_different_files(tmp_path):
                 reader = ("auto", "direct", "mmap")[(t + round_) % 3]
                 if t == 0:  # one thread keeps failing; the others must not notice
                     with pytest.raises(RuntimeError, match="bad.safetensors"):
-                        fastsafetensors.load_file(bad, reader=reader)
+                        fastsafetensors_rs.load_file(bad, reader=reader)
                     errors_seen.append(round_)
                     continue
                 f = files[(t + round_) % len(files)]
-                if not same(fastsafetensors.load_file(f, reader=reader), expected[f]):
+                if not same(fastsafetensors_rs.load_file(f, reader=reader), expected[f]):
                     failures.append((t, f, reader))
-                both = fastsafetensors.load(files[:2], reader=reader)
+                both = fastsafetensors_rs.load(files[:2], reader=reader)
                 if not same(both, {**expected[files[0]], **expected[files[1]]}):
                     failures.append((t, "pair", reader))
         except BaseException as e:  # surfaced below: a thread's exception is otherwise lost
@@ -73,7 +73,7 @@ def test_the_op_releases_the_gil(tmp_path):
     try:
         before = ticks[0]
         for _ in range(20):
-            fastsafetensors.load_file(f, reader="direct")
+            fastsafetensors_rs.load_file(f, reader="direct")
         during = ticks[0] - before
     finally:
         done.set()
@@ -82,7 +82,7 @@ def test_the_op_releases_the_gil(tmp_path):
 
 
 RESOURCE_SCRIPT = textwrap.dedent("""
-    import gc, os, sys, psutil, torch, fastsafetensors
+    import gc, os, sys, psutil, torch, fastsafetensors_rs
     path = sys.argv[1]
     proc = psutil.Process()
     def snapshot():
@@ -91,8 +91,8 @@ RESOURCE_SCRIPT = textwrap.dedent("""
         return dict(fds=len(os.listdir("/proc/self/fd")), threads=proc.num_threads(), maps=maps, rss=proc.memory_info().rss)
     def cycle(i):
         reader = ("auto", "direct", "mmap")[i % 3]
-        t = fastsafetensors.load_file(path, reader=reader)
-        with fastsafetensors.safe_open(path) as f:
+        t = fastsafetensors_rs.load_file(path, reader=reader)
+        with fastsafetensors_rs.safe_open(path) as f:
             f.get_tensor(f.keys()[0])
         del t
     for i in range(30):
@@ -119,14 +119,14 @@ def test_host_memory_cap(tmp_path, monkeypatch):
     f = write(tmp_path / "cap.safetensors", 5, n=16)  # ~1 MB
     monkeypatch.setenv("FASTSAFETENSORS_MAX_HOST_MEMORY", "64K")
     with pytest.raises(RuntimeError, match="host memory.*FASTSAFETENSORS_MAX_HOST_MEMORY"):
-        fastsafetensors.load_file(f, reader="direct")
+        fastsafetensors_rs.load_file(f, reader="direct")
     # Zero-copy mappings are page cache, not allocations: not capped.
-    assert same(fastsafetensors.load_file(f, reader="mmap"), st_load_file(f))
+    assert same(fastsafetensors_rs.load_file(f, reader="mmap"), st_load_file(f))
     monkeypatch.setenv("FASTSAFETENSORS_MAX_HOST_MEMORY", "16M")
-    assert same(fastsafetensors.load_file(f, reader="direct"), st_load_file(f))
+    assert same(fastsafetensors_rs.load_file(f, reader="direct"), st_load_file(f))
     monkeypatch.setenv("FASTSAFETENSORS_MAX_HOST_MEMORY", "a lot")
     with pytest.raises(RuntimeError, match="FASTSAFETENSORS_MAX_HOST_MEMORY"):
-        fastsafetensors.load_file(f, reader="direct")
+        fastsafetensors_rs.load_file(f, reader="direct")
 
 
 def test_a_load_beyond_available_memory_fails_cleanly(tmp_path):
@@ -142,12 +142,12 @@ def test_a_load_beyond_available_memory_fails_cleanly(tmp_path):
         fh.write(struct.pack("<Q", len(header)) + header)
         fh.truncate(8 + len(header) + n)
     with pytest.raises(RuntimeError, match="host memory"):
-        fastsafetensors.load_file(path, reader="direct")
+        fastsafetensors_rs.load_file(path, reader="direct")
 
 
 def test_safe_open_of_a_file_truncated_after_open_raises(tmp_path):
     f = write(tmp_path / "t.safetensors", 9)
-    handle = fastsafetensors.safe_open(f)
+    handle = fastsafetensors_rs.safe_open(f)
     os.truncate(f, 1000)
     with pytest.raises(RuntimeError, match="t.safetensors"):
         handle.get_tensor(handle.keys()[0])

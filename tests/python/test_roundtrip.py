@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open as st_safe_open
 from safetensors.torch import load_file as st_load_file
 
-import fastsafetensors
+import fastsafetensors_rs
 import fst_testutils as U
 
 ops = torch.ops.fastsafetensors
@@ -58,27 +58,27 @@ def test_each_dtype_alone(tmp_path, dt, reader):
     """A file holding a single dtype, so each dtype also starts the data section."""
     tensors = {"x": U.random_tensor(dt, (3, 5), 7), "y": U.random_tensor(dt, (1,), 8)}
     path = U.write_checkpoint(tmp_path / "one.safetensors", tensors)
-    got = fastsafetensors.load_file(str(path), reader=reader)
+    got = fastsafetensors_rs.load_file(str(path), reader=reader)
     U.assert_same_dict(got, st_load_file(str(path)))
 
 
 @pytest.mark.parametrize("reader", U.READERS)
 def test_load_file_accepts_str_and_pathlike(all_dtypes_file, reader):
     path, written = all_dtypes_file
-    U.assert_same_dict(fastsafetensors.load_file(str(path), reader=reader), written)
-    U.assert_same_dict(fastsafetensors.load_file(Path(path), device="cpu", reader=reader), written)
+    U.assert_same_dict(fastsafetensors_rs.load_file(str(path), reader=reader), written)
+    U.assert_same_dict(fastsafetensors_rs.load_file(Path(path), device="cpu", reader=reader), written)
 
 
 def test_load_file_defaults(all_dtypes_file):
     path, written = all_dtypes_file
-    U.assert_same_dict(fastsafetensors.load_file(path), written)
+    U.assert_same_dict(fastsafetensors_rs.load_file(path), written)
     U.assert_same_dict(ops.load([str(path)]), written)
 
 
 @pytest.mark.parametrize("reader", U.READERS)
 def test_readers_agree_on_a_larger_file(medium_file, reader):
     path, written = medium_file
-    U.assert_same_dict(fastsafetensors.load_file(path, reader=reader), written)
+    U.assert_same_dict(fastsafetensors_rs.load_file(path, reader=reader), written)
 
 
 # ---------------------------------------------------------------- zero-sized and scalar
@@ -131,7 +131,7 @@ def test_multi_file_load(multi_file_model, reader):
         expected.update(ref)
     got = ops.load([str(p) for p in paths], "cpu", None, reader)
     U.assert_same_dict(got, expected)
-    got = fastsafetensors.load([str(p) for p in paths], reader=reader)
+    got = fastsafetensors_rs.load([str(p) for p in paths], reader=reader)
     U.assert_same_dict(got, expected)
     got, report = load_report(paths, reader)
     U.assert_same_dict(got, expected)
@@ -141,7 +141,7 @@ def test_multi_file_load(multi_file_model, reader):
 def test_multi_file_python_load_accepts_pathlike_and_str(multi_file_model):
     paths, shards = multi_file_model
     expected = {k: v for shard in shards for k, v in shard.items()}
-    U.assert_same_dict(fastsafetensors.load([paths[0], str(paths[1]), paths[2]]), expected)
+    U.assert_same_dict(fastsafetensors_rs.load([paths[0], str(paths[1]), paths[2]]), expected)
 
 
 def test_load_of_no_files_is_empty():
@@ -153,7 +153,7 @@ def test_load_of_no_files_is_empty():
 def test_same_tensor_names_in_subsets(multi_file_model):
     """Loading a subset of shards returns exactly that subset."""
     paths, shards = multi_file_model
-    got = fastsafetensors.load([paths[2], paths[0]])
+    got = fastsafetensors_rs.load([paths[2], paths[0]])
     U.assert_same_dict(got, {**shards[2], **shards[0]})
 
 
@@ -171,7 +171,7 @@ def test_keys_are_sorted(all_dtypes_file):
 def test_metadata_present(all_dtypes_file):
     path, _ = all_dtypes_file
     assert ops.metadata(str(path)) == {"format": "pt", "note": "all dtypes"}
-    with fastsafetensors.safe_open(path) as f:
+    with fastsafetensors_rs.safe_open(path) as f:
         assert f.metadata() == {"format": "pt", "note": "all dtypes"}
 
 
@@ -180,7 +180,7 @@ def test_metadata_absent(tmp_path):
     with st_safe_open(str(path), "pt") as f:
         assert f.metadata() is None
     assert ops.metadata(str(path)) is None
-    with fastsafetensors.safe_open(path) as f:
+    with fastsafetensors_rs.safe_open(path) as f:
         assert f.metadata() is None
 
 
@@ -189,14 +189,14 @@ def test_metadata_unicode_and_many_entries(tmp_path):
     meta["json"] = json.dumps({"nested": [1, 2, 3]})
     path = U.write_checkpoint(tmp_path / "meta.safetensors", {"a": torch.ones(2)}, metadata=meta)
     assert ops.metadata(str(path)) == meta
-    with fastsafetensors.safe_open(path) as f:
+    with fastsafetensors_rs.safe_open(path) as f:
         assert f.metadata() == meta
 
 
 def test_unicode_tensor_names(tmp_path):
     tensors = {"ünïcødé.weight": torch.arange(3.0), "层.bias": torch.arange(2.0), "a b/c": torch.ones(1)}
     path = U.write_checkpoint(tmp_path / "names.safetensors", tensors)
-    U.assert_same_dict(fastsafetensors.load_file(path), tensors)
+    U.assert_same_dict(fastsafetensors_rs.load_file(path), tensors)
     assert ops.keys(str(path)) == sorted(tensors)
 
 
@@ -300,7 +300,7 @@ def test_buffered_fallback_when_o_direct_is_refused(medium_file, no_o_direct_pre
     U.make_cold(path)
     proc = U.run_python(
         """
-        import json, sys, torch, fastsafetensors
+        import json, sys, torch, fastsafetensors_rs
         from safetensors.torch import load_file
         import fst_testutils as U
         path, reader = sys.argv[1], sys.argv[2]
@@ -323,7 +323,7 @@ def test_invalid_reader_name(all_dtypes_file, bad):
     with pytest.raises(RuntimeError):
         ops.load_with_report([str(path)], "cpu", None, bad)
     with pytest.raises((RuntimeError, ValueError)):
-        fastsafetensors.load_file(path, reader=bad)
+        fastsafetensors_rs.load_file(path, reader=bad)
 
 
 # ---------------------------------------------------------------- FASTSAFETENSORS_READER
@@ -336,7 +336,7 @@ def test_env_reader_mmap_overrides_auto(medium_file, monkeypatch):
     got, paths = load_report([path], None)
     assert paths == ["mmap"]
     U.assert_same_dict(got, written)
-    U.assert_same_dict(fastsafetensors.load_file(path), written)
+    U.assert_same_dict(fastsafetensors_rs.load_file(path), written)
 
 
 def test_env_reader_direct_overrides_auto(medium_file, monkeypatch):
@@ -379,12 +379,12 @@ def test_env_reader_in_fresh_process(medium_file, value, expected):
     U.make_cold(path) if value == "mmap" else U.make_warm(path)
     proc = U.run_python(
         """
-        import json, sys, torch, fastsafetensors
+        import json, sys, torch, fastsafetensors_rs
         from safetensors.torch import load_file
         import fst_testutils as U
         tensors, paths = torch.ops.fastsafetensors.load_with_report([sys.argv[1]])
         U.assert_same_dict(tensors, load_file(sys.argv[1]))
-        U.assert_same_dict(fastsafetensors.load_file(sys.argv[1]), load_file(sys.argv[1]))
+        U.assert_same_dict(fastsafetensors_rs.load_file(sys.argv[1]), load_file(sys.argv[1]))
         print(json.dumps(paths))
         """,
         path,
@@ -455,12 +455,12 @@ def test_dtype_cast_bf16_to_float32_matches_reference(tmp_path):
     src = {"w": U.random_tensor(torch.float32, (64, 64), 3).nan_to_num(0.0, 1.0, -1.0).to(torch.bfloat16)}
     path = U.write_checkpoint(tmp_path / "bf16.safetensors", src)
     ref = st_load_file(str(path))["w"].float()
-    got = fastsafetensors.load_file(path, dtype=torch.float32)["w"]
+    got = fastsafetensors_rs.load_file(path, dtype=torch.float32)["w"]
     assert got.dtype == torch.float32
     assert torch.equal(got, ref)
-    got = fastsafetensors.load([path], dtype=torch.float32)["w"]
+    got = fastsafetensors_rs.load([path], dtype=torch.float32)["w"]
     assert torch.equal(got, ref)
-    with fastsafetensors.safe_open(path) as f:  # safe_open never casts
+    with fastsafetensors_rs.safe_open(path) as f:  # safe_open never casts
         assert f.get_tensor("w").dtype == torch.bfloat16
 
 
@@ -534,7 +534,7 @@ def test_misaligned_tensors_load_exactly_and_aligned(tmp_path, reader):
         assert paths == ["mmap"]
     if reader == "direct":
         assert paths == [U.expected_direct_path(tmp_path)]
-    with fastsafetensors.safe_open(path) as f:
+    with fastsafetensors_rs.safe_open(path) as f:
         for name, t in tensors.items():
             u = f.get_tensor(name)
             U.assert_same_tensor(u, t, name)

@@ -1,4 +1,4 @@
-"""fastsafetensors.safe_open against safetensors' own safe_open on the same files."""
+"""fastsafetensors_rs.safe_open against safetensors' own safe_open on the same files."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import torch
 from safetensors import safe_open as st_safe_open
 from safetensors.torch import load_file as st_load_file
 
-import fastsafetensors
+import fastsafetensors_rs
 from safetensors.torch import save_file
 import fst_testutils as U
 
-safe_open = fastsafetensors.safe_open
+safe_open = fastsafetensors_rs.safe_open
 
 
 def test_keys_match(all_dtypes_file):
@@ -231,14 +231,14 @@ def test_safe_open_does_not_cast_or_rename(multi_file_model):
 def test_first_access_from_many_threads_loads_once(tmp_path, monkeypatch):
     import threading
 
-    import fastsafetensors.api as api
+    import fastsafetensors_rs.api as api
 
     path = tmp_path / "threads.safetensors"
     save_file({f"w{i}": torch.full((64,), float(i)) for i in range(16)}, str(path))
     calls = []
     real_load = api.load
     monkeypatch.setattr(api, "load", lambda *a, **k: calls.append(1) or real_load(*a, **k))
-    handle = fastsafetensors.safe_open(path)
+    handle = fastsafetensors_rs.safe_open(path)
     results = {}
     threads = [threading.Thread(target=lambda n=n: results.__setitem__(n, handle.get_tensor(n))) for n in handle.keys()]
     for t in threads:
@@ -252,7 +252,7 @@ def test_first_access_from_many_threads_loads_once(tmp_path, monkeypatch):
 def test_get_tensor_after_close_raises(tmp_path):
     path = tmp_path / "closed.safetensors"
     save_file({"w": torch.ones(3)}, str(path))
-    handle = fastsafetensors.safe_open(path)
+    handle = fastsafetensors_rs.safe_open(path)
     kept = handle.get_tensor("w")
     handle.close()
     with pytest.raises(RuntimeError, match="closed"):

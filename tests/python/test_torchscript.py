@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file as st_load_file
 
-import fastsafetensors  # noqa: F401  (registers the ops)
+import fastsafetensors_rs  # noqa: F401  (registers the ops)
 import fst_testutils as U
 
 
@@ -127,7 +127,7 @@ def test_saved_module_runs_in_a_fresh_process(tmp_path, reader):
     proc = U.run_python(
         """
         import json, sys, torch
-        import fastsafetensors  # registers torch.ops.fastsafetensors
+        import fastsafetensors_rs  # registers torch.ops.fastsafetensors
         from safetensors.torch import load_file
         import fst_testutils as U
 
@@ -158,7 +158,7 @@ def test_saved_function_runs_in_a_fresh_process(tmp_path):
     torch.jit.save(torch.jit.script(Wrap()), str(saved))
     proc = U.run_python(
         """
-        import sys, torch, fastsafetensors
+        import sys, torch, fastsafetensors_rs
         from safetensors.torch import load_file
         import fst_testutils as U
         tensors, paths = torch.jit.load(sys.argv[1])([sys.argv[2]])

@@ -6,7 +6,7 @@ STATICLIB is the Rust staticlib built with `-Zsanitizer=address` and CXXBRIDGE_D
 headers cxx generated beside it (`make sanitize-cpp` builds both). OUT_DIR receives a copy
 of the Python package whose `_C` extension is csrc/ops.cpp compiled with
 `-fsanitize=address` and linked against STATICLIB; put OUT_DIR first on PYTHONPATH and
-preload gcc's libasan to run it. The in-place build (python/fastsafetensors/_C*.so) is
+preload gcc's libasan to run it. The in-place build (python/fastsafetensors_rs/_C*.so) is
 left alone.
 """
 
@@ -22,16 +22,16 @@ ASAN_FLAGS = ["-fsanitize=address", "-fno-omit-frame-pointer"]
 
 
 def main(staticlib: str, cxxbridge: str, out: str) -> None:
-    package = os.path.join(out, "fastsafetensors")
+    package = os.path.join(out, "fastsafetensors_rs")
     shutil.rmtree(package, ignore_errors=True)
     shutil.copytree(
-        os.path.join(ROOT, "python", "fastsafetensors"),
+        os.path.join(ROOT, "python", "fastsafetensors_rs"),
         package,
         ignore=shutil.ignore_patterns("*.so", "__pycache__"),
     )
     os.chdir(ROOT)
     extension = CppExtension(
-        name="fastsafetensors._C",
+        name="fastsafetensors_rs._C",
         sources=["csrc/ops.cpp"],  # relative to ROOT, the working directory
         include_dirs=[os.path.abspath(cxxbridge)],
         extra_compile_args=["-O1", "-g", "-fvisibility=hidden"] + ASAN_FLAGS,
@@ -39,7 +39,7 @@ def main(staticlib: str, cxxbridge: str, out: str) -> None:
         extra_link_args=ASAN_FLAGS + ["-Wl,--exclude-libs,ALL", "-lutil", "-lrt", "-lpthread", "-lm", "-ldl"],
     )
     setup(
-        name="fastsafetensors-asan",
+        name="fastsafetensors-rs-asan",
         ext_modules=[extension],
         cmdclass={"build_ext": BuildExtension},
         script_args=[

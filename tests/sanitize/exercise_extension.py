@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file as reference_load_file
 from safetensors.torch import save_file
 
-import fastsafetensors
-from fastsafetensors import load, load_file, ops, safe_open
+import fastsafetensors_rs
+from fastsafetensors_rs import load, load_file, ops, safe_open
 
 passed = 0
 failed = []
@@ -75,7 +75,7 @@ def raises(fn):
 
 
 def main():
-    print(f"fastsafetensors extension: {fastsafetensors.LIBRARY_PATH}")
+    print(f"fastsafetensors_rs extension: {fastsafetensors_rs.LIBRARY_PATH}")
     with tempfile.TemporaryDirectory() as d:
         files = []
         for i in range(3):

@@ -1,6 +1,6 @@
-"""Logging set-up: the `fastsafetensors` logger and the `FASTSAFETENSORS_LOG` variable.
+"""Logging set-up: the `fastsafetensors_rs` logger and the `FASTSAFETENSORS_LOG` variable.
 
-The package logs through `logging.getLogger("fastsafetensors")` and, like any library,
+The package logs through `logging.getLogger("fastsafetensors_rs")` and, like any library,
 attaches no handler of its own: applications configure logging as they like. For a quick
 look without touching code, set `FASTSAFETENSORS_LOG` to a level name (`debug`, `info`,
 `warning`, `error`): the logger then gets that level and, if it has no handler yet, one that
@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 
-LOGGER_NAME = "fastsafetensors"
+LOGGER_NAME = "fastsafetensors_rs"
 ENV_LOG = "FASTSAFETENSORS_LOG"
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -31,7 +31,7 @@ _LEVELS = {
 def enable_logging(level: int | str = logging.DEBUG) -> None:
     """Sends the package's log records at `level` and above to stderr.
 
-    Adds a stderr handler only if the `fastsafetensors` logger has none, so calling it
+    Adds a stderr handler only if the `fastsafetensors_rs` logger has none, so calling it
     again (or after configuring logging yourself) does not duplicate output."""
     if isinstance(level, str):
         try:

@@ -13,7 +13,7 @@ import torch
 from .collectives import Group, as_bytes
 from .types import Device, DTypeLike, as_torch_dtype, resolve_device
 
-logger = logging.getLogger("fastsafetensors.compat")
+logger = logging.getLogger("fastsafetensors_rs.compat")
 
 # Broadcasts of tensors up to SMALL_TENSOR_BYTES are coalesced: when one is requested, the
 # not yet sent small tensors that follow it in its file (up to COALESCE_BYTES in all, found

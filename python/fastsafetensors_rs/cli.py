@@ -1,9 +1,9 @@
-"""`python -m fastsafetensors`: inspect, verify and benchmark .safetensors checkpoints.
+"""`python -m fastsafetensors_rs`: inspect, verify and benchmark .safetensors checkpoints.
 
-    python -m fastsafetensors inspect model/                 # dtypes, shapes, sizes, metadata
-    python -m fastsafetensors verify model/*.safetensors     # full check; exit 1 on a bad file
-    python -m fastsafetensors bench model/ --repeat 3        # this loader vs safetensors
-    python -m fastsafetensors inspect --json model/ | jq .totals
+    python -m fastsafetensors_rs inspect model/                 # dtypes, shapes, sizes, metadata
+    python -m fastsafetensors_rs verify model/*.safetensors     # full check; exit 1 on a bad file
+    python -m fastsafetensors_rs bench model/ --repeat 3        # this loader vs safetensors
+    python -m fastsafetensors_rs inspect --json model/ | jq .totals
 
 A PATH is a file, a directory (its `model.safetensors.index.json` if there is one, else all of
 its `*.safetensors`) or an index file. `--json` prints one JSON document on stdout. Progress
@@ -33,7 +33,7 @@ from ._logging import enable_logging
 from ._ops import ops
 from .progress import ByteProgress, progress, progress_enabled
 
-logger = logging.getLogger("fastsafetensors")
+logger = logging.getLogger("fastsafetensors_rs")
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -331,13 +331,13 @@ def _device(name: str) -> str:
 def _loaders(args: argparse.Namespace) -> Dict[str, Callable[[List[str]], Dict[str, torch.Tensor]]]:
     device = _device(args.device)
     loaders: Dict[str, Callable[[List[str]], Dict[str, torch.Tensor]]] = {
-        "fastsafetensors": lambda files: api.load(files, device=device, reader=args.reader),
+        "fastsafetensors_rs": lambda files: api.load(files, device=device, reader=args.reader),
     }
     if not args.no_safetensors:
         try:
             from safetensors.torch import load_file as st_load_file
         except ImportError:
-            print("safetensors is not installed: benchmarking fastsafetensors alone", file=sys.stderr)
+            print("safetensors is not installed: benchmarking fastsafetensors_rs alone", file=sys.stderr)
         else:
             def st_load(files: List[str]) -> Dict[str, torch.Tensor]:
                 out: Dict[str, torch.Tensor] = {}
@@ -388,11 +388,11 @@ def cmd_bench(args: argparse.Namespace) -> Tuple[Dict[str, Any], bool]:
         results.append({"mode": mode, "loader": name, "seconds": times, "median_s": med,
                         "gb_per_s": total / med / 1e9 if med > 0 else None})
     for mode in modes:
-        ours = seconds.get((mode, "fastsafetensors"))
+        ours = seconds.get((mode, "fastsafetensors_rs"))
         theirs = seconds.get((mode, "safetensors"))
         if ours and theirs:
             for r in results:
-                if r["mode"] == mode and r["loader"] == "fastsafetensors":
+                if r["mode"] == mode and r["loader"] == "fastsafetensors_rs":
                     r["speedup_vs_safetensors"] = statistics.median(theirs) / statistics.median(ours)
     result = {"command": "bench", "valid": True, "files": paths, "bytes": total, "device": str(args.device),
               "reader": args.reader or os.environ.get("FASTSAFETENSORS_READER") or "auto",
@@ -413,7 +413,7 @@ def cmd_bench(args: argparse.Namespace) -> Tuple[Dict[str, Any], bool]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m fastsafetensors",
+        prog="python -m fastsafetensors_rs",
         description="Inspect, verify and benchmark .safetensors checkpoints.",
     )
     common = argparse.ArgumentParser(add_help=False)
@@ -441,10 +441,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_verify)
 
     p = sub.add_parser("bench", parents=[common, loading],
-                       help="load throughput of fastsafetensors vs safetensors, cold and warm")
+                       help="load throughput of fastsafetensors_rs vs safetensors, cold and warm")
     p.add_argument("--repeat", type=int, default=3, help="runs per loader and mode (median reported)")
     p.add_argument("--modes", default="cold,warm", help="comma-separated: cold (page cache evicted), warm")
-    p.add_argument("--no-safetensors", action="store_true", help="time fastsafetensors only")
+    p.add_argument("--no-safetensors", action="store_true", help="time fastsafetensors_rs only")
     p.set_defaults(run=cmd_bench)
     return parser
 

@@ -10,7 +10,7 @@ use_tqdm_on_load)`, SGLang's equivalent). `weights_iterator` keeps that contract
 - files are read whole, one bulk read each, in the order given; a file's buffer is freed
   when the last tensor into it is gone (the iterator drops its own references as it yields).
 
-    model.load_weights(fastsafetensors.weights_iterator(files, device="cuda:0"))
+    model.load_weights(fastsafetensors_rs.weights_iterator(files, device="cuda:0"))
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from . import api
 from .api import Device, PathLike
 from .progress import progress, progress_enabled
 
-logger = logging.getLogger("fastsafetensors")
+logger = logging.getLogger("fastsafetensors_rs")
 
 __all__ = ["weights_iterator"]
 
@@ -60,7 +60,7 @@ def weights_iterator(
         use_tqdm_on_load: a per-file progress bar on stderr (shown for loads longer than a
             second). None (default) means off unless `$FASTSAFETENSORS_PROGRESS=1`; the
             position matches vLLM's iterators, which take it second.
-        device, dtype, reader, nogds: as in `fastsafetensors.load`; each file is loaded
+        device, dtype, reader, nogds: as in `fastsafetensors_rs.load`; each file is loaded
             straight to `device` (e.g. "cuda:0": GPUDirect Storage or staged copies).
         prefetch: how many files to read ahead in a background thread while the consumer
             works on the current one (0: none). Peak memory grows by that many files.

@@ -13,7 +13,7 @@ import torch
 from .loader import LoadPlan, PathLike, SafeTensorsFileLoader, open_buffer, read_header
 from .types import Device
 
-logger = logging.getLogger("fastsafetensors.compat")
+logger = logging.getLogger("fastsafetensors_rs.compat")
 
 _Prepared = Tuple[Optional[LoadPlan], Optional[Dict[str, torch.Tensor]], Optional[BaseException]]
 

@@ -1,5 +1,5 @@
 """`SafeTensorsFileLoader` and `fastsafe_open`: the entry points of the fastsafetensors 0.5
-API, over `fastsafetensors.load`."""
+API, over `fastsafetensors_rs.load`."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from .types import (
     torch_shape,
 )
 
-logger = logging.getLogger("fastsafetensors.compat")
+logger = logging.getLogger("fastsafetensors_rs.compat")
 
 PathLike = Union[str, os.PathLike]
 _FRAMEWORKS = ("pytorch", "pt", "torch")
@@ -153,7 +153,7 @@ class SafeTensorsFileLoader:
         set_numa: accepted; the core does not pin threads or memory to NUMA nodes.
         disable_cache: accepted. Shards are never cached: a repeated request repeats the
             collective (the original's cache doubled memory when enabled).
-        debug_log: logs each step on the "fastsafetensors.compat" logger.
+        debug_log: logs each step on the "fastsafetensors_rs.compat" logger.
         framework: "pytorch" (or "pt"); other frameworks are not supported.
         reader: the core's reader, "auto" (default), "direct" or "mmap" (this
             implementation's own option).

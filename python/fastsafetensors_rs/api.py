@@ -11,7 +11,7 @@ import torch
 
 from ._ops import ops
 
-logger = logging.getLogger("fastsafetensors")
+logger = logging.getLogger("fastsafetensors_rs")
 
 PathLike = Union[str, os.PathLike]
 Device = Union[str, int, torch.device]

@@ -15,7 +15,7 @@ def _library_path() -> str:
         if candidates:
             return candidates[0]
     raise ImportError(
-        f"fastsafetensors: the compiled extension _C is missing from {_HERE}; "
+        f"fastsafetensors_rs: the compiled extension _C is missing from {_HERE}; "
         "build it with `pip install --no-build-isolation -e .` (or `make build`)"
     )
 

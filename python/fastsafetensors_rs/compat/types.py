@@ -13,7 +13,7 @@ import torch
 
 from .._dtypes import CASTABLE, DTYPES
 
-logger = logging.getLogger("fastsafetensors.compat")
+logger = logging.getLogger("fastsafetensors_rs.compat")
 
 Device = Union[str, int, torch.device]
 

@@ -25,7 +25,7 @@ from ._ops import ops
 
 __all__ = ["register_fake_kernels"]
 
-logger = logging.getLogger("fastsafetensors")
+logger = logging.getLogger("fastsafetensors_rs")
 
 _registered = False
 

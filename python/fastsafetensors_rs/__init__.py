@@ -1,4 +1,4 @@
-"""fastsafetensors: fast .safetensors loading into CPU or GPU memory.
+"""fastsafetensors_rs: fast .safetensors loading into CPU or GPU memory (Rust core, torch ops).
 
 Importing the package registers the torch ops `torch.ops.fastsafetensors.*`:
 `load(files, device="cpu", dtype=None, reader=None) -> Dict[str, Tensor]` and friends,

@@ -1,13 +1,13 @@
 """Routes HuggingFace transformers' `.safetensors` reading through fastsafetensors.
 
-    import fastsafetensors
+    import fastsafetensors_rs
     from transformers import AutoModelForCausalLM
 
-    with fastsafetensors.patched_transformers():
+    with fastsafetensors_rs.patched_transformers():
         model = AutoModelForCausalLM.from_pretrained("path/to/model", dtype=torch.bfloat16)
 
-    fastsafetensors.patch_transformers()      # or for the whole process ...
-    fastsafetensors.unpatch_transformers()    # ... until undone
+    fastsafetensors_rs.patch_transformers()      # or for the whole process ...
+    fastsafetensors_rs.unpatch_transformers()    # ... until undone
 
 transformers (4.57 and 5.x) reads checkpoints through `safetensors.safe_open`, imported into
 its own modules: `transformers.modeling_utils` (both versions), `transformers.modeling_layers`
@@ -45,7 +45,7 @@ import torch
 from . import api
 from .api import Device, PathLike
 
-logger = logging.getLogger("fastsafetensors")
+logger = logging.getLogger("fastsafetensors_rs")
 
 __all__ = ["patch_transformers", "unpatch_transformers", "patched_transformers", "is_transformers_patched"]
 
@@ -65,7 +65,7 @@ _options: Dict[str, Any] = {}
 
 
 class PatchedSafeOpen(api.safe_open):
-    """`fastsafetensors.safe_open` as transformers uses it: accepts safetensors' `backend=`
+    """`fastsafetensors_rs.safe_open` as transformers uses it: accepts safetensors' `backend=`
     keyword and ignores it (the loader picks its reader per file) and adds `get_tensors()`.
     Like every `safe_open`, it loads the file once even when several threads ask at once."""
 
@@ -101,7 +101,7 @@ def _make_safe_open(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(filename, framework, device, *args, **kwargs)
         return PatchedSafeOpen(filename, framework=framework, device=device, backend=backend, **_options)
 
-    safe_open.__doc__ = "fastsafetensors' stand-in for safetensors.safe_open (see fastsafetensors.transformers_patch)."
+    safe_open.__doc__ = "fastsafetensors' stand-in for safetensors.safe_open (see fastsafetensors_rs.transformers_patch)."
     safe_open.__wrapped__ = original  # type: ignore[attr-defined]
     safe_open._fastsafetensors = True  # type: ignore[attr-defined]
     return safe_open
@@ -126,7 +126,7 @@ def _import_transformers() -> None:
     try:
         importlib.import_module("transformers")
     except ImportError as e:
-        raise ImportError("fastsafetensors.patch_transformers() needs transformers (pip install transformers)") from e
+        raise ImportError("fastsafetensors_rs.patch_transformers() needs transformers (pip install transformers)") from e
 
 
 def _targets() -> List[Tuple[Any, str, str]]:
@@ -153,7 +153,7 @@ def patch_transformers(reader: Optional[str] = None, nogds: Optional[bool] = Non
     Args:
         reader: the loader's reader for every file ("auto", "direct", "mmap"); None keeps the
             default (`$FASTSAFETENSORS_READER`, else "auto").
-        nogds: for CUDA loads, as in `fastsafetensors.load`.
+        nogds: for CUDA loads, as in `fastsafetensors_rs.load`.
 
     Returns the patched names ("module.attribute"). Calling it again only updates the
     options. Undo with `unpatch_transformers()`. Raises ImportError without transformers.

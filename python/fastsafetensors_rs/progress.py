@@ -16,7 +16,7 @@ from typing import Iterable, Iterator, Optional, TypeVar
 ENV_PROGRESS = "FASTSAFETENSORS_PROGRESS"
 DELAY_S = 1.0  # a bar shows up only for loads longer than this
 
-logger = logging.getLogger("fastsafetensors")
+logger = logging.getLogger("fastsafetensors_rs")
 T = TypeVar("T")
 
 _TRUE = {"1", "true", "yes", "on"}

@@ -1,4 +1,4 @@
-"""Where the package meets other tools, gathered for `fastsafetensors/__init__.py`.
+"""Where the package meets other tools, gathered for `fastsafetensors_rs/__init__.py`.
 
 Importing this module applies `FASTSAFETENSORS_LOG` and registers the ops' fake kernels; it
 imports neither transformers, vLLM nor tqdm (those load when used).

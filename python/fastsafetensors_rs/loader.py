@@ -1,4 +1,4 @@
-"""`from fastsafetensors.loader import SafeTensorsFileLoader`, as TGIS-style loaders import it."""
+"""`from fastsafetensors_rs.loader import SafeTensorsFileLoader`, as TGIS-style loaders import it."""
 
 from .compat.loader import SafeTensorsFileLoader, fastsafe_open
 

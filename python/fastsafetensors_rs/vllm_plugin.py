@@ -9,7 +9,7 @@ process it starts; `register()` is ours. It registers a model loader for
         --model-loader-extra-config '{"reader": "direct", "prefetch": 1}'
 
 The loader is vLLM's `DefaultModelLoader` (file discovery, downloads, index filtering, strict
-weight check) with the weight iterator replaced by `fastsafetensors.weights_iterator`, which
+weight check) with the weight iterator replaced by `fastsafetensors_rs.weights_iterator`, which
 reads each shard in one bulk read straight to the worker's GPU. Options, all optional, in
 `model_loader_extra_config`: `reader` ("auto", "direct", "mmap"), `nogds` (bool), `device`
 (default: the worker's current CUDA device, else "cpu"), `prefetch` (files read ahead, 0).
@@ -30,7 +30,7 @@ import torch
 
 from .weights import weights_iterator
 
-logger = logging.getLogger("fastsafetensors")
+logger = logging.getLogger("fastsafetensors_rs")
 
 __all__ = ["LOAD_FORMAT", "register", "make_loader_class"]
 

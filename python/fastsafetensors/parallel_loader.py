@@ -1,5 +1,0 @@
-"""`from fastsafetensors.parallel_loader import ParallelLoader`, as vLLM imports it."""
-
-from .compat.parallel import ParallelLoader
-
-__all__ = ["ParallelLoader"]
