@@ -1,0 +1,60 @@
+"""The build backend: setuptools' own, with one rule added first.
+
+The extension is C++ compiled against torch's headers and linked against its libraries, and
+torch's C++ ABI changes between minor releases: it must be compiled against the torch that
+will import it, the one installed in the target environment. pip's default build isolation
+hides that torch and would have to download another one (about 3 GB, whatever version is
+newest) to compile against. So building a wheel where torch cannot be imported fails at once,
+before anything is downloaded or compiled, and says how to build instead. A source
+distribution needs no torch and builds anywhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from setuptools import build_meta as _setuptools
+from setuptools.build_meta import (  # noqa: F401  (the hooks this backend passes through)
+    build_sdist,
+    get_requires_for_build_sdist,
+    prepare_metadata_for_build_editable,
+    prepare_metadata_for_build_wheel,
+)
+
+NO_TORCH = """
+fastsafetensors-rs compiles a torch extension against the torch installed in the environment
+that will import it, and no torch can be imported here.
+
+If you ran pip with its default build isolation, build in your environment instead:
+
+    pip install --no-build-isolation fastsafetensors-rs     (or: pip install --no-build-isolation .)
+
+(install torch>=2.8, setuptools and wheel into that environment first). Build isolation would
+compile against a freshly downloaded torch rather than yours, and an extension built for
+another torch release fails to load.
+"""
+
+
+def _require_torch() -> None:
+    if importlib.util.find_spec("torch") is None:
+        raise SystemExit(NO_TORCH)
+
+
+def get_requires_for_build_wheel(config_settings=None):
+    _require_torch()
+    return _setuptools.get_requires_for_build_wheel(config_settings)
+
+
+def get_requires_for_build_editable(config_settings=None):
+    _require_torch()
+    return _setuptools.get_requires_for_build_editable(config_settings)
+
+
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+    _require_torch()
+    return _setuptools.build_wheel(wheel_directory, config_settings, metadata_directory)
+
+
+def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
+    _require_torch()
+    return _setuptools.build_editable(wheel_directory, config_settings, metadata_directory)

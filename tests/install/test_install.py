@@ -1,0 +1,297 @@
+"""Installs the project the ways users do and checks each result from outside the source tree.
+
+Run by `make test-install` (part of `make test`) with .venv's interpreter, which builds
+(torch 2.15, setuptools, wheel, build). Every check runs with its working directory in a
+scratch directory outside the checkout, so `python/` is never importable; the package must
+come from where it was installed (each check asserts where it was imported from).
+
+- default build isolation stops at once with the `--no-build-isolation` advice;
+- the sdist holds everything a build needs and builds a wheel on its own;
+- a wheel built in a copy of the checkout, the copy deleted, installs into a fresh venv
+  (pip resolves torch itself), and works there: API, CLI, console script, core tests; a Rust
+  edit and a deleted module in that copy reach the next non-editable build;
+- `pip install --no-build-isolation <checkout>` in fresh venvs holding the oldest supported
+  torch and the one vLLM pins (with IBM's fastsafetensors beside it), and the clear error a
+  wheel built for another torch gives there.
+
+Environment: FASTSAFETENSORS_TORCH_RANGE (default "2.8.0 2.14.0"; 2.15 is .venv's),
+FASTSAFETENSORS_KEEP_INSTALL_TESTS=1 keeps the scratch directory (about 5 GB per venv).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import textwrap
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE_PYTHON = getattr(sys, "_base_executable", sys.executable)
+TORCH_RANGE = os.environ.get("FASTSAFETENSORS_TORCH_RANGE", "2.8.0 2.14.0").split()
+TORCH_VLLM = "2.14.0"  # what vLLM 0.33 pins; IBM's fastsafetensors is installed beside ours there
+IBM_FASTSAFETENSORS = "fastsafetensors==0.5.0"
+# The suites that exercise what depends on torch's version: the op schema and registration,
+# every dtype (float8, float4, e8m0) through from_blob, the header-only ops, TorchScript, the
+# fake kernel, and the compatible API. About a minute on 2 cores.
+CORE_TESTS = ["test_roundtrip.py", "test_safe_open.py", "test_errors.py", "test_torchscript.py",
+              "test_integrations_fake.py", "test_compat_api.py"]
+CORE_TEST_DEPS = ["safetensors==0.8.0", "pytest", "numpy", "psutil"]
+MARKER = "not a regular file"  # a message of rust/error.rs, edited in a copy below
+
+
+# ---------------------------------------------------------------- helpers
+
+def run(cmd, *, cwd, env=None, check=True, timeout=1800) -> subprocess.CompletedProcess:
+    """Runs `cmd`, prints it with its wall time; with `check`, fails with its output."""
+    cmd = [str(c) for c in cmd]
+    full_env = dict(os.environ)
+    for name in ("PYTHONPATH", "FASTSAFETENSORS_READER", "VIRTUAL_ENV", "CARGO_TARGET_DIR"):
+        full_env.pop(name, None)
+    full_env.update(env or {})
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    print(f"[{time.monotonic() - start:6.1f} s] {' '.join(cmd)} -> {proc.returncode}", flush=True)
+    if check:
+        assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def oldest_python() -> str:
+    """Python 3.10 (the oldest the package declares) where one is installed, else .venv's."""
+    candidates = [shutil.which("python3.10"),
+                  *sorted(str(p) for p in Path.home().glob(".pyenv/versions/3.10.*/bin/python3.10"))]
+    for candidate in filter(None, candidates):
+        if subprocess.run([candidate, "-c", "pass"], capture_output=True).returncode == 0:
+            return candidate
+    return BASE_PYTHON
+
+
+def make_venv(path: Path, python: str = BASE_PYTHON) -> Path:
+    run([python, "-m", "venv", path], cwd=path.parent)
+    return path / "bin" / "python"
+
+
+def source_copy(dest: Path) -> Path:
+    """The checkout's files as a clone would have them (tracked and new, nothing ignored)."""
+    listed = run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT).stdout
+    for rel in filter(None, listed.split("\0")):
+        src = ROOT / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    return dest
+
+
+def only(paths) -> Path:
+    paths = list(paths)
+    assert len(paths) == 1, paths
+    return paths[0]
+
+
+# Run inside the environment under test: loads the checkpoint with fastsafetensors_rs and
+# compares every tensor, byte for byte, with safetensors.torch.load_file.
+CHECK = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    import torch
+    from safetensors.torch import load_file
+    import fastsafetensors_rs as fst
+
+    checkpoint, expected_home, source_tree = sys.argv[1:4]
+    home = Path(fst.__file__).resolve().parent
+    assert home.is_relative_to(Path(expected_home).resolve()), f"imported from {home}"
+    assert not home.is_relative_to(Path(source_tree).resolve()), f"imported from the source tree: {home}"
+    files = sorted(Path(checkpoint).glob("*.safetensors"))
+    assert files, checkpoint
+    count = 0
+    for f in files:
+        got, want = fst.load_file(str(f)), load_file(str(f))
+        assert got.keys() == want.keys(), f
+        for name, t in want.items():
+            g = got[name]
+            assert (g.dtype, g.shape) == (t.dtype, t.shape), name
+            assert torch.equal(g.contiguous().view(-1).view(torch.uint8),
+                               t.contiguous().view(-1).view(torch.uint8)), name
+            count += 1
+    print(json.dumps({"torch": torch.__version__, "package": str(home), "tensors": count}))
+""")
+
+
+def check_load(python, checkpoint, expected_home, cwd, env=None) -> str:
+    proc = run([python, "-c", CHECK, checkpoint, expected_home, ROOT], cwd=cwd, env=env)
+    return proc.stdout
+
+
+def run_core_tests(python, cwd):
+    run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         *[ROOT / "tests" / "python" / t for t in CORE_TESTS]],
+        cwd=cwd, env={"FASTSAFETENSORS_TEST_INSTALLED": "1"})
+
+
+# ---------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="session")
+def scratch():
+    path = Path(tempfile.mkdtemp(prefix="fastsafetensors-rs-install-"))
+    assert not path.is_relative_to(ROOT)
+    yield path
+    if os.environ.get("FASTSAFETENSORS_KEEP_INSTALL_TESTS") != "1":
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(scratch):
+    """A real Hugging Face checkpoint: a small randomly initialised Llama saved by
+    transformers in several shards (bf16, with the index file)."""
+    out = scratch / "checkpoint"
+    code = textwrap.dedent("""
+        import sys, torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model.save_pretrained(sys.argv[1], max_shard_size="200KB")
+    """)
+    run([sys.executable, "-c", code, out], cwd=scratch)
+    assert len(list(out.glob("*.safetensors"))) > 1
+    return out
+
+
+@pytest.fixture(scope="session")
+def built_wheel():
+    """The wheel `make build` made with .venv's torch (2.15)."""
+    return only((ROOT / "dist" / "wheel").glob("fastsafetensors_rs-*.whl"))
+
+
+# ---------------------------------------------------------------- the install paths
+
+def test_build_isolation_stops_at_once(scratch):
+    """pip's default (isolated) build cannot see the installed torch: it must stop before
+    downloading or compiling anything and say how to build."""
+    start = time.monotonic()
+    proc = run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", scratch / "isolated", ROOT],
+               cwd=scratch, check=False)
+    elapsed = time.monotonic() - start
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    assert "pip install --no-build-isolation" in output, output
+    assert "torch" not in "".join(line for line in output.splitlines() if "Collecting" in line), output
+    assert not list((scratch / "isolated").rglob("_C*.so"))
+    assert elapsed < 120, f"took {elapsed:.0f} s"
+
+
+def test_sdist_builds_a_wheel_on_its_own(scratch, checkpoint):
+    out = scratch / "sdist"
+    run([sys.executable, "-m", "build", "--sdist", "--outdir", out, ROOT], cwd=scratch)
+    sdist = only(out.glob("fastsafetensors_rs-*.tar.gz"))
+    with tarfile.open(sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+        pkg_info = tar.extractfile(next(m for m in tar.getmembers() if m.name.endswith("/PKG-INFO"))).read().decode()
+    for required in ["Cargo.toml", "Cargo.lock", "rust/lib.rs", "rust/build.rs", "rust/bridge.rs",
+                     "csrc/ops.cpp", "setup.py", "pyproject.toml", "README.md", "LICENSE",
+                     "build_backend/fastsafetensors_build.py",
+                     "python/fastsafetensors_rs/__init__.py", "python/fastsafetensors_rs/compat/__init__.py"]:
+        assert required in names, f"{required} missing from {sdist.name}"
+    assert not [n for n in names if n.endswith(".so") or n.startswith(("target/", "build/"))
+                or n.endswith("_build_info.json")], names
+    assert "Requires-Dist: torch>=2.8" in pkg_info and "Requires-Python: >=3.10" in pkg_info, pkg_info
+
+    # The sdist alone, unpacked by pip away from the checkout; cargo builds from scratch.
+    run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
+         "-w", scratch / "sdist-wheel", sdist], cwd=scratch)
+    wheel = only((scratch / "sdist-wheel").glob("*.whl"))
+    site = scratch / "sdist-site"
+    run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", site, wheel], cwd=scratch)
+    print(check_load(sys.executable, checkpoint, site, cwd=scratch, env={"PYTHONPATH": str(site)}))
+
+
+def test_wheel_into_a_fresh_venv_with_the_source_gone(scratch, checkpoint):
+    clone = source_copy(scratch / "clone")
+    wheels = scratch / "wheels"
+    # The copy shares the checkout's cargo target directory: only the crate itself recompiles.
+    cargo = {"CARGO_TARGET_DIR": str(ROOT / "target")}
+    run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w", wheels / "a", clone],
+        cwd=scratch, env=cargo)
+    wheel = only((wheels / "a").glob("*.whl"))
+    assert wheel.name.endswith("-cp310-abi3-linux_x86_64.whl"), wheel.name
+
+    # A Rust edit and a deleted module in the same copy must both reach the next
+    # non-editable build (no stale library or module reused from its build/ directory).
+    errors = clone / "rust" / "error.rs"
+    text = errors.read_text()
+    assert MARKER in text, f"the message {MARKER!r} is gone from rust/error.rs: pick another"
+    errors.write_text(text.replace(MARKER, MARKER + " (edited)"))
+    (clone / "python" / "fastsafetensors_rs" / "parallel_loader.py").unlink()
+    run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w", wheels / "b", clone],
+        cwd=scratch, env=cargo)
+    edited = only((wheels / "b").glob("*.whl"))
+    assert "fastsafetensors_rs/parallel_loader.py" not in zipfile.ZipFile(edited).namelist()
+    site = scratch / "edited-site"
+    run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", site, edited], cwd=scratch)
+    proc = run([sys.executable, "-c", "import sys, fastsafetensors_rs as f; f.load_file(sys.argv[1])", scratch],
+               cwd=scratch, env={"PYTHONPATH": str(site)}, check=False)
+    assert MARKER + " (edited)" in proc.stderr, proc.stderr
+
+    shutil.rmtree(clone)
+    venv = scratch / "fresh"
+    python = make_venv(venv)
+    run([python, "-m", "pip", "install", wheel, *CORE_TEST_DEPS], cwd=scratch)
+    run([python, "-m", "pip", "check"], cwd=scratch)
+    print(check_load(python, checkpoint, venv, cwd=scratch))
+    inspect = run([venv / "bin" / "fastsafetensors-rs", "inspect", "--summary", checkpoint], cwd=scratch)
+    assert "model.safetensors.index.json" in inspect.stdout or "tensors" in inspect.stdout, inspect.stdout
+    run([python, "-m", "fastsafetensors_rs", "verify", checkpoint], cwd=scratch)
+    bad = scratch / "bad.safetensors"
+    bad.write_bytes(b"\xff" * 16)
+    proc = run([venv / "bin" / "fastsafetensors-rs", "verify", bad], cwd=scratch, check=False)
+    assert proc.returncode == 1 and str(bad) in proc.stdout + proc.stderr, proc
+    run_core_tests(python, cwd=scratch)
+    shutil.rmtree(venv)
+
+
+@pytest.mark.parametrize("torch_version", TORCH_RANGE)
+def test_no_build_isolation_install_per_torch(scratch, checkpoint, built_wheel, torch_version):
+    """`pip install --no-build-isolation <checkout>` into an environment that has only torch
+    (and, for vLLM's torch, IBM's fastsafetensors): the user's command, verbatim."""
+    venv = scratch / f"torch-{torch_version}"
+    # The oldest torch runs on the oldest Python available.
+    python = make_venv(venv, oldest_python() if torch_version == TORCH_RANGE[0] else BASE_PYTHON)
+    print(run([python, "--version"], cwd=scratch).stdout)
+    extra = [IBM_FASTSAFETENSORS] if torch_version == TORCH_VLLM else []
+    run([python, "-m", "pip", "install", f"torch=={torch_version}", "setuptools", "wheel", *CORE_TEST_DEPS, *extra],
+        cwd=scratch)
+    run([python, "-m", "pip", "install", "--no-build-isolation", ROOT], cwd=scratch)
+    run([python, "-m", "pip", "check"], cwd=scratch)
+    print(check_load(python, checkpoint, venv, cwd=scratch))
+    run_core_tests(python, cwd=scratch)
+
+    if extra:
+        # IBM's package is untouched and still what `import fastsafetensors` gives.
+        proc = run([python, "-c", textwrap.dedent("""
+            import importlib.metadata as md, fastsafetensors, fastsafetensors_rs
+            assert md.version("fastsafetensors") == "0.5.0", md.version("fastsafetensors")
+            assert "fastsafetensors_rs" not in fastsafetensors.__file__, fastsafetensors.__file__
+            assert hasattr(fastsafetensors, "SafeTensorsFileLoader")
+            print(fastsafetensors.__file__)
+        """)], cwd=scratch)
+        assert "site-packages/fastsafetensors/" in proc.stdout, proc.stdout
+
+    # The wheel built against .venv's torch refuses to load here, naming both versions.
+    site = scratch / f"other-torch-{torch_version}"
+    run([python, "-m", "pip", "install", "--no-deps", "--target", site, built_wheel], cwd=scratch)
+    proc = run([python, "-c", "import fastsafetensors_rs"], cwd=scratch, env={"PYTHONPATH": str(site)}, check=False)
+    built_for = run([sys.executable, "-c", "import torch; print(torch.__version__)"], cwd=scratch).stdout.strip()
+    assert proc.returncode == 1 and "ImportError" in proc.stderr, proc.stderr
+    assert f"compiled against torch {built_for}" in proc.stderr, proc.stderr
+    assert f"this environment has torch {torch_version}" in proc.stderr, proc.stderr
+    assert "--no-build-isolation" in proc.stderr, proc.stderr
+    shutil.rmtree(venv)
