@@ -119,6 +119,17 @@ def _torch_build_ext():
                     json.dump(info, f, indent=1, sort_keys=True)
                     f.write("\n")
 
+        def copy_extensions_to_source(self):
+            """Editable installs: the library is built out of place, then copied beside the
+            sources; its build record goes with it and other builds there go."""
+            super().copy_extensions_to_source()
+            build_py = self.get_finalized_command("build_py")
+            for ext in self.extensions:
+                inplace_library, built_library = self._get_inplace_equivalent(build_py, ext)
+                _remove_other_builds(inplace_library)
+                self.copy_file(os.path.join(os.path.dirname(built_library), build_info.FILE),
+                               os.path.join(os.path.dirname(inplace_library), build_info.FILE))
+
         def _configure(self, ext):
             torch_ext = CppExtension(ext.name, ext.sources, py_limited_api=True)
             ext.include_dirs = torch_ext.include_dirs + [cxxbridge]

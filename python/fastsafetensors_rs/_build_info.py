@@ -14,8 +14,10 @@ from __future__ import annotations
 import re
 
 FILE = "_build_info.json"
-REBUILD = ("pip install --no-build-isolation --no-cache-dir --force-reinstall fastsafetensors-rs "
-           "(from a checkout: pip install --no-build-isolation --force-reinstall .)")
+# --no-deps: a forced reinstall would otherwise reinstall (and may upgrade) torch itself;
+# --no-cache-dir: pip would otherwise reuse the wheel it built for the previous torch.
+REBUILD = ("pip install --no-build-isolation --no-deps --force-reinstall --no-cache-dir fastsafetensors-rs "
+           "(from a checkout: pip install --no-build-isolation --no-deps --force-reinstall .)")
 
 
 def describe(torch) -> dict:

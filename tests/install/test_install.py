@@ -126,7 +126,7 @@ CHECK = textwrap.dedent("""
 
 
 def check_load(python, checkpoint, expected_home, cwd, env=None) -> str:
-    proc = run([python, "-c", CHECK, checkpoint, expected_home, ROOT], cwd=cwd, env=env)
+    proc = run([python, "-c", CHECK, checkpoint, expected_home, ROOT / "python"], cwd=cwd, env=env)
     return proc.stdout
 
 

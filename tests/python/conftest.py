@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fst_testutils as U  # noqa: E402
 
-SOURCE_TREE = Path(__file__).resolve().parents[2]
+SOURCE_PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "python"
 
 
 def _package_dir() -> Path | None:
@@ -36,7 +36,7 @@ def pytest_configure(config):
     package = _package_dir()
     if package is None:
         raise pytest.UsageError("fastsafetensors_rs is not installed in this environment")
-    if package.is_relative_to(SOURCE_TREE):
+    if package.is_relative_to(SOURCE_PACKAGE_ROOT):
         raise pytest.UsageError(
             f"fastsafetensors_rs would be imported from the source tree ({package}), not from an "
             "installed wheel: run `make build` (or unset FASTSAFETENSORS_TEST_INSTALLED)")
