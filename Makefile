@@ -54,7 +54,16 @@ dev: $(DEPS)
 demo: build
 	$(PY) examples/demo.py
 
-test: test-rust test-python test-install
+# Each stage in turn, with its wall time (CI reports them). A block that adds a stage appends
+# it to TEST_STAGES.
+TEST_STAGES := test-rust test-python test-install
+
+test:
+	@for stage in $(TEST_STAGES); do \
+		start=$$(date +%s); \
+		$(MAKE) --no-print-directory $$stage || exit 1; \
+		echo "make $$stage: $$(( $$(date +%s) - start )) s"; \
+	done
 
 test-rust:
 	cargo test --locked

@@ -9,7 +9,10 @@ distribution needs no torch.
 Environment:
   DEBUG=1                          keep debug info in the extension (release builds strip it)
   FASTSAFETENSORS_CARGO_PROFILE    cargo profile of the staticlib (default: release)
-  CARGO_TARGET_DIR                 where cargo builds (default: target/ beside this file)
+
+cargo always builds in target/ beside this file, whatever CARGO_TARGET_DIR says: a target
+directory shared by two source trees hands the library of whichever built first to the other
+(cargo leaves target/<profile>/libfastsafetensors.a alone when it finds the crate fresh).
 """
 
 import importlib.util
@@ -86,7 +89,7 @@ def _torch_build_ext():
         )
     build_info = _build_info_module()
     profile = os.environ.get("FASTSAFETENSORS_CARGO_PROFILE", "release")
-    target = os.path.abspath(os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target")))
+    target = os.path.join(ROOT, "target")
     cargo_out = os.path.join(target, "debug" if profile == "dev" else profile)
     staticlib = os.path.join(cargo_out, "libfastsafetensors.a")
     cxxbridge = os.path.join(target, "cxxbridge")
@@ -105,7 +108,8 @@ def _torch_build_ext():
         def build_extensions(self):
             if shutil.which("cargo") is None:
                 raise SystemExit("fastsafetensors-rs: building needs cargo (a Rust toolchain: https://rustup.rs)")
-            subprocess.check_call(["cargo", "build", "--locked", "--lib", "--profile", profile], cwd=ROOT)
+            subprocess.check_call(
+                ["cargo", "build", "--locked", "--lib", "--profile", profile, "--target-dir", target], cwd=ROOT)
             for ext in self.extensions:
                 self._configure(ext)
                 info_path = os.path.join(os.path.dirname(self.get_ext_fullpath(ext.name)), build_info.FILE)
