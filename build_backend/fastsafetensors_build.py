@@ -12,6 +12,7 @@ distribution needs no torch and builds anywhere.
 from __future__ import annotations
 
 import importlib.util
+import re
 
 from setuptools import build_meta as _setuptools
 from setuptools.build_meta import (  # noqa: F401  (the hooks this backend passes through)
@@ -40,6 +41,19 @@ def _require_torch() -> None:
         raise SystemExit(NO_TORCH)
 
 
+def _require_wheel_support() -> None:
+    """setuptools before 70.1 builds wheels only with the `wheel` package, which a fresh venv
+    lacks; without it the build would fail late with "invalid command 'bdist_wheel'"."""
+    import setuptools
+
+    release = tuple(int(part) for part in re.findall(r"\d+", setuptools.__version__)[:2])
+    if release < (70, 1) and importlib.util.find_spec("wheel") is None:
+        raise SystemExit(
+            f"fastsafetensors-rs: setuptools {setuptools.__version__} needs the `wheel` package to build "
+            "a wheel: `pip install wheel` (or `pip install -U setuptools`) in this environment, then retry"
+        )
+
+
 def get_requires_for_build_wheel(config_settings=None):
     _require_torch()
     return _setuptools.get_requires_for_build_wheel(config_settings)
@@ -52,9 +66,11 @@ def get_requires_for_build_editable(config_settings=None):
 
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
     _require_torch()
+    _require_wheel_support()
     return _setuptools.build_wheel(wheel_directory, config_settings, metadata_directory)
 
 
 def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
     _require_torch()
+    _require_wheel_support()
     return _setuptools.build_editable(wheel_directory, config_settings, metadata_directory)
