@@ -17,9 +17,16 @@ all: build
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+# Downloads go to a wheelhouse in build/ that later steps install from (tests/install makes
+# more venvs with the same torch): pip's own HTTP cache stores nothing from this registry.
+# A fresh clone starts with an empty one.
+WHEELHOUSE := build/wheelhouse
+export FASTSAFETENSORS_WHEELHOUSE := $(abspath $(WHEELHOUSE))
+
 $(DEPS): requirements-dev.txt | $(PY)
 	$(PIP) install --upgrade pip
-	$(PIP) install -r requirements-dev.txt
+	$(PIP) download -d $(WHEELHOUSE) -r requirements-dev.txt
+	$(PIP) install --no-index --find-links $(WHEELHOUSE) -r requirements-dev.txt
 	touch $@
 
 venv: $(DEPS)

@@ -15,12 +15,7 @@ import importlib.util
 import re
 
 from setuptools import build_meta as _setuptools
-from setuptools.build_meta import (  # noqa: F401  (the hooks this backend passes through)
-    build_sdist,
-    get_requires_for_build_sdist,
-    prepare_metadata_for_build_editable,
-    prepare_metadata_for_build_wheel,
-)
+from setuptools.build_meta import build_sdist, get_requires_for_build_sdist  # noqa: F401  (passed through)
 
 NO_TORCH = """
 fastsafetensors-rs compiles a torch extension against the torch installed in the environment
@@ -62,6 +57,17 @@ def get_requires_for_build_wheel(config_settings=None):
 def get_requires_for_build_editable(config_settings=None):
     _require_torch()
     return _setuptools.get_requires_for_build_editable(config_settings)
+
+
+def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None):
+    # setuptools < 70.1 makes this metadata with bdist_wheel too.
+    _require_wheel_support()
+    return _setuptools.prepare_metadata_for_build_wheel(metadata_directory, config_settings)
+
+
+def prepare_metadata_for_build_editable(metadata_directory, config_settings=None):
+    _require_wheel_support()
+    return _setuptools.prepare_metadata_for_build_editable(metadata_directory, config_settings)
 
 
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):

@@ -67,6 +67,20 @@ def run(cmd, *, cwd, env=None, check=True, timeout=1800) -> subprocess.Completed
     return proc
 
 
+def pip_install(python, *requirements, cwd) -> None:
+    """`pip install` by way of the run's wheelhouse (FASTSAFETENSORS_WHEELHOUSE, which `make
+    venv` fills): what an earlier step downloaded is not downloaded again. Without one, a
+    plain `pip install`."""
+    wheelhouse = os.environ.get("FASTSAFETENSORS_WHEELHOUSE")
+    if not wheelhouse:
+        run([python, "-m", "pip", "install", *requirements], cwd=cwd)
+        return
+    # Files given by path (the wheel under test) are installed from where they are.
+    named = [r for r in map(str, requirements) if not os.path.exists(r)]
+    run([python, "-m", "pip", "download", "-d", wheelhouse, *named], cwd=cwd)
+    run([python, "-m", "pip", "install", "--no-index", "--find-links", wheelhouse, *requirements], cwd=cwd)
+
+
 def oldest_python() -> str:
     """Python 3.10 (the oldest the package declares) where one is installed, else .venv's."""
     candidates = [shutil.which("python3.10"),
@@ -249,7 +263,7 @@ def test_sdist_builds_a_wheel_that_works_in_a_fresh_venv(scratch, checkpoint):
     shutil.rmtree(scratch / "src")
     venv = scratch / "fresh"
     python = make_venv(venv)
-    run([python, "-m", "pip", "install", wheel, *CORE_TEST_DEPS], cwd=scratch)
+    pip_install(python, wheel, *CORE_TEST_DEPS, cwd=scratch)
     run([python, "-m", "pip", "check"], cwd=scratch)
     print(check_load(python, checkpoint, venv, cwd=scratch))
     inspect = run([venv / "bin" / "fastsafetensors-rs", "inspect", "--summary", "--json", checkpoint], cwd=scratch)
@@ -273,14 +287,14 @@ def test_no_build_isolation_install_per_torch(scratch, checkpoint, built_wheel, 
     python = make_venv(venv, oldest_python() if torch_version == TORCH_RANGE[0] else BASE_PYTHON)
     print(run([python, "--version"], cwd=scratch).stdout)
     extra = [IBM_FASTSAFETENSORS] if torch_version == TORCH_VLLM else []
-    run([python, "-m", "pip", "install", f"torch=={torch_version}", *CORE_TEST_DEPS, *extra], cwd=scratch)
+    pip_install(python, f"torch=={torch_version}", *CORE_TEST_DEPS, *extra, cwd=scratch)
     setuptools = run([python, "-c", "import setuptools; print(setuptools.__version__)"], cwd=scratch).stdout.strip()
     if torch_version == TORCH_RANGE[0] and tuple(map(int, setuptools.split(".")[:2])) < (70, 1):
         # A fresh venv's setuptools (65.5 from ensurepip) without `wheel`: the build stops
         # with what to install instead of setuptools' "invalid command 'bdist_wheel'".
         proc = run([python, "-m", "pip", "install", "--no-build-isolation", ROOT], cwd=scratch, check=False)
         assert proc.returncode != 0 and "`pip install wheel`" in proc.stdout + proc.stderr, proc
-    run([python, "-m", "pip", "install", "setuptools", "wheel"], cwd=scratch)
+    pip_install(python, "setuptools", "wheel", cwd=scratch)
     run([python, "-m", "pip", "install", "--no-build-isolation", ROOT], cwd=scratch)
     run([python, "-m", "pip", "check"], cwd=scratch)
     print(check_load(python, checkpoint, venv, cwd=scratch))
