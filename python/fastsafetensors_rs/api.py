@@ -16,7 +16,7 @@ logger = logging.getLogger("fastsafetensors_rs")
 PathLike = Union[str, os.PathLike]
 Device = Union[str, int, torch.device]
 
-__all__ = ["load", "load_file", "safe_open"]
+__all__ = ["load", "load_file", "release_staging_buffers", "safe_open"]
 
 
 def _device_name(device: Device) -> str:
@@ -69,6 +69,14 @@ def load_file(
 ) -> Dict[str, torch.Tensor]:
     """Loads one file, like `safetensors.torch.load_file`. See `load` for the arguments."""
     return load([filename], device=device, dtype=dtype, reader=reader, nogds=nogds)
+
+
+def release_staging_buffers() -> int:
+    """Frees the pinned host memory CUDA loads keep for the next load (per GPU loaded to, up
+    to 2 x FASTSAFETENSORS_THREADS buffers of 8 MiB: 128 MiB by default); returns how many
+    buffers were freed. It is otherwise held until the process exits; a later load allocates
+    it again."""
+    return ops.release_staging_buffers()
 
 
 class safe_open:

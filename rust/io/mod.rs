@@ -88,6 +88,9 @@ pub enum ReadPath {
     Mmap,
     /// GPUDirect Storage, straight into device memory.
     Gds,
+    /// cuFile in compatibility mode: it emulates GPUDirect Storage with reads through host
+    /// memory (the nvidia-fs driver is not loaded, or cuFile is told so).
+    GdsCompat,
 }
 
 impl ReadPath {
@@ -97,6 +100,7 @@ impl ReadPath {
             ReadPath::Buffered => "buffered",
             ReadPath::Mmap => "mmap",
             ReadPath::Gds => "gds",
+            ReadPath::GdsCompat => "gds-compat",
         }
     }
 }
