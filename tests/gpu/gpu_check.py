@@ -10,9 +10,10 @@ any check failed, 0 otherwise (also on machines without CUDA, where nothing can 
   large file    a >= 1 GiB file of position-derived bytes, bit-compared on the device, with 1
                 and 16 I/O threads, through each staged path (the staging ring reused many
                 times over)
-  ordering      a load into memory that queued kernels still write (freed while a kernel
-                waits on torch's stream) is exact; a kernel left running on another stream
-                does not delay the load (no device-wide synchronization)
+  ordering      a load into memory that a queued kernel still writes (freed while the kernel
+                waits behind a sleep on torch's current stream, whose pool the memory returns
+                to) is exact; a kernel left running on another stream does not delay the load
+                (no device-wide synchronization)
   devices       the caller's current device, context and new allocations are unchanged by a
                 load to another GPU; a load of no files touches only the requested GPU;
                 threads loading different files at once, on one GPU and on two
