@@ -82,6 +82,12 @@ impl Fake {
         assert_eq!(self.call::<c_int>("fake_violations"), 0, "{}", self.violations());
     }
 
+    /// No violation whose description contains `kind` (others are checked elsewhere).
+    fn assert_none_of(&self, kind: &str) {
+        let text = self.violations();
+        assert!(!text.contains(kind), "{text}");
+    }
+
     fn current_context(&self) -> *mut c_void {
         let mut ctx = std::ptr::null_mut();
         self.call1::<*mut *mut c_void, c_int>("cuCtxGetCurrent", &mut ctx);
@@ -197,7 +203,10 @@ fn copies_are_ordered_after_torchs_stream_without_a_device_wide_wait() {
     let (fake, _serial) = fake();
     let dir = TempDir::new("fake-order");
     load(fake, &dir, 0, GdsMode::Never).unwrap();
+    assert_eq!(fake.count("fake_context_synchronizations"), 0, "cuCtxSynchronize waits for unrelated work");
+    fake.assert_none_of("not ordered after the destination's previous work");
     load(fake, &dir, 1, GdsMode::Require).unwrap();
+    fake.assert_none_of("before the destination's previous work was waited for");
     assert_eq!(fake.count("fake_context_synchronizations"), 0, "cuCtxSynchronize waits for unrelated work");
     fake.assert_no_violations();
 }
@@ -230,6 +239,7 @@ fn a_failed_event_record_leaves_no_copy_running() {
     assert!(err.to_string().contains("cuEventRecord"), "{err}");
     assert_eq!(fake.call::<std::ffi::c_ulong>("fake_unfinished_copies"), 0, "copies left running after the error");
     loader::release_staging_buffers();
+    fake.assert_none_of("under a copy that may still be running");
     fake.assert_no_violations();
 }
 
@@ -239,6 +249,7 @@ fn streams_events_and_pinned_memory_go_before_their_context() {
     let dir = TempDir::new("fake-order-of-release");
     load(fake, &dir, 1, GdsMode::Never).unwrap();
     loader::release_staging_buffers();
+    fake.assert_none_of("after its context was released");
     fake.assert_no_violations();
     assert_eq!(fake.call1::<c_int, c_int>("fake_primary_retained", 1), 0, "retains and releases balance");
 }
