@@ -166,9 +166,10 @@ impl SourceFile {
     /// Reads and validates the header (two small reads; the data is not touched).
     pub fn header(&self) -> Result<Header> {
         let format_err = |source| Error::Format { path: self.path.clone(), source };
-        let mut prefix = [0u8; format::LEN_PREFIX as usize];
+        // More than the 8-byte length, so that a file of another format can be named.
+        let mut prefix = [0u8; format::SNIFF_LEN];
         let got = self.read_at_most(&mut prefix, 0)?;
-        if got < prefix.len() && self.len >= format::LEN_PREFIX {
+        if (got as u64) < format::LEN_PREFIX && self.len >= format::LEN_PREFIX {
             return Err(Error::Truncated { path: self.path.clone(), at: got as u64, expected: self.len });
         }
         let len = format::header_len(&prefix[..got], self.len).map_err(format_err)?;
