@@ -86,7 +86,9 @@ impl fmt::Display for Problem {
             Problem::WrongShard { name, listed, found } => {
                 write!(f, "maps '{name}' to {listed}, but it is in {}", found.display())
             }
-            Problem::NotInShards { name, listed } => write!(f, "maps '{name}' to {listed}, but no shard has it"),
+            Problem::NotInShards { name, listed } => {
+                write!(f, "maps '{name}' to {listed}, but none of the shards it lists has it")
+            }
             Problem::Unlisted { name, file } => write!(f, "does not list tensor '{name}' of {}", file.display()),
         }
     }
@@ -501,7 +503,7 @@ mod tests {
         // "z" of the plain file is nobody's business; "a" must be in 1.safetensors.
         check_placed(&checkpoints, &[placed("z", 0), placed("a", 1)]).unwrap();
         let err = check_placed(&checkpoints, &[placed("a", 0), placed("q", 1)]).unwrap_err().to_string();
-        assert!(err.contains("maps 'a' to 1.safetensors, but no shard has it"), "{err}");
+        assert!(err.contains("maps 'a' to 1.safetensors, but none of the shards it lists has it"), "{err}");
         assert!(err.contains("(and 1 more;"), "{err}");
     }
 
