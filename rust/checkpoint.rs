@@ -5,6 +5,9 @@
 //!   `.safetensors` files beside them, such as a `consolidated.safetensors`, are not loaded).
 //! - A directory without an index: every `*.safetensors` in it, in name order
 //!   (subdirectories are not searched).
+//!
+//! In a directory, names starting with `.` are skipped, as the shell's and Python's
+//! `glob("*.safetensors")` skip them (e.g. the `._*` files macOS leaves on shared drives).
 //! - A directory holding several indexes: refused; pass the index to load.
 //! - A file whose name ends in `.json`: a checkpoint index (`{"weight_map": {tensor: shard}}`,
 //!   shard paths relative to the index's directory); the shards it lists, in name order.
@@ -120,6 +123,9 @@ impl Checkpoint {
         for entry in entries {
             let entry = entry.map_err(|e| Error::io(dir, "read directory", e))?;
             let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with('.') {
+                continue;
+            }
             let path = entry.path();
             // A dangling link stays in, so that the load reports it instead of skipping it.
             if std::fs::metadata(&path).is_ok_and(|m| m.is_dir()) {
@@ -284,6 +290,9 @@ pub fn files(checkpoints: &[Checkpoint]) -> Vec<PathBuf> {
 /// Checks each checkpoint's tensors against its index, given where the tensors of
 /// [`files`]`(checkpoints)` were placed.
 pub fn check_placed(checkpoints: &[Checkpoint], tensors: &[Placement]) -> Result<()> {
+    if checkpoints.iter().all(|c| c.index.is_none()) {
+        return Ok(()); // duplicates across files were refused when the tensors were placed
+    }
     let total: usize = checkpoints.iter().map(|c| c.files.len()).sum();
     let mut names: Vec<Option<Vec<&str>>> = vec![Some(Vec::new()); total];
     for t in tensors {
@@ -363,6 +372,8 @@ mod tests {
         d.file("a.safetensors", b"");
         d.file("config.json", b"{}");
         d.file("notes.txt", b"");
+        d.file("._a.safetensors", b"\x00\x05\x16\x07"); // macOS AppleDouble
+        d.file(".m.safetensors.index.json", b"{}");
         std::fs::create_dir(d.0.join("sub.safetensors")).unwrap();
         let c = Checkpoint::resolve(&d.0).unwrap();
         assert_eq!(c.files, [d.0.join("a.safetensors"), d.0.join("b.safetensors")]);
