@@ -113,6 +113,10 @@ pub fn check_env() -> Result<()> {
     ReaderKind::resolve(None)?;
     io_threads()?;
     budget::limit_from_env()?;
+    // Read when GPUDirect Storage is tried; a path must name a file (a bare library name is
+    // left to the dynamic loader's search).
+    let library = |v: &str| (!v.contains('/') || Path::new(v).is_file()).then_some(());
+    setting(crate::cuda::cufile::CUFILE_ENV, "the path of an existing cuFile library (libcufile.so.0)", library)?;
     Ok(())
 }
 
