@@ -113,13 +113,44 @@ void check_torch_types(const rs::PlannedFiles& planned) {
   }
 }
 
-// Casts only what users mean by "the model's dtype": full-precision floating point.
-// Quantised payloads (float8, float4, e8m0 scales) and integers keep their type. The cast
-// runs where the tensor is: on the GPU for device loads.
+// `dtype=` casts only what users mean by "the model's dtype": full-precision floating point
+// (F16, BF16, F32, F64), to one of those. Integers, bool, complex and quantised payloads
+// (float8, float4, e8m0 scales) keep their type. A target outside that set is refused: a cast
+// to int8 or float8 without scales turns weights into zeros and saturated values.
+bool castable(at::ScalarType type) {
+  return type == at::kHalf || type == at::kBFloat16 || type == at::kFloat || type == at::kDouble;
+}
+
+void check_cast_target(std::optional<at::ScalarType> dtype) {
+  if (!dtype || castable(*dtype)) return;
+  const std::string name = "torch." + std::string(c10::getDtypeNames(*dtype).first);
+  TORCH_CHECK(false, "fastsafetensors: dtype=", name,
+              " is not supported: dtype= casts floating-point tensors (F16, BF16, F32, F64) to torch.float16, "
+              "torch.bfloat16, torch.float32 or torch.float64 and leaves the others as stored; convert to ",
+              name, " yourself (tensor.to(", name, ")) if that is what you want");
+}
+
+// The cast runs where the tensor is: on the GPU for device loads.
 at::Tensor cast(at::Tensor t, std::optional<at::ScalarType> dtype) {
   const auto type = t.scalar_type();
-  const bool castable = type == at::kHalf || type == at::kBFloat16 || type == at::kFloat || type == at::kDouble;
-  return dtype && castable && type != *dtype ? t.to(*dtype) : t;
+  return dtype && castable(type) && type != *dtype ? t.to(*dtype) : t;
+}
+
+// The device a load targets: "cpu" or "cuda[:N]"; anything else is refused in one line.
+c10::Device target_device(const std::string& device) {
+  std::optional<c10::Device> target;
+  try {
+    target.emplace(device);
+  } catch (const c10::Error&) {
+    TORCH_CHECK(false, "fastsafetensors: cannot load to device '", device,
+                "': not a device name (use 'cpu', 'cuda' or 'cuda:N')");
+  }
+  TORCH_CHECK(target->is_cpu() || target->is_cuda(), "fastsafetensors: cannot load to device '", device,
+              "' (only cpu and cuda)");
+  // torch accepts "cpu:1" but there is one CPU device; safetensors refuses it too.
+  TORCH_CHECK(!target->is_cpu() || target->index() <= 0, "fastsafetensors: cannot load to device '", device,
+              "': there is one CPU device, 'cpu'");
+  return *target;
 }
 
 ::rust::Vec<::rust::String> to_rust(const std::vector<std::string>& strings) {
@@ -285,9 +316,8 @@ Loaded load_to_cuda(const std::vector<std::string>& files, const c10::Device& ta
 Loaded load_with_report(std::vector<std::string> files, std::string device,
                         std::optional<at::ScalarType> dtype, std::optional<std::string> reader,
                         std::optional<bool> nogds) {
-  const c10::Device target(device);
-  TORCH_CHECK(target.is_cpu() || target.is_cuda(), "fastsafetensors: cannot load to device '", device,
-              "' (only cpu and cuda)");
+  const auto target = target_device(device);
+  check_cast_target(dtype);
   return target.is_cpu() ? load_to_host(files, reader.value_or(""), dtype)
                          : load_to_cuda(files, target, reader.value_or(""), dtype, nogds);
 }
@@ -327,6 +357,20 @@ describe(std::string file) {
 // Frees the pinned staging buffers kept for later CUDA loads; returns how many were freed.
 int64_t release_staging_buffers() { return static_cast<int64_t>(rs::release_staging_buffers()); }
 
+std::string check_device(std::string device) {
+  return target_device(device).str();
+}
+
+// The files `path` (a file, checkpoint directory or index) stands for, the index they come
+// from, and every problem between them and the index.
+std::tuple<std::vector<std::string>, std::optional<std::string>, std::vector<std::string>> checkpoint(
+    std::string path) {
+  const auto c = call_rust([&] { return rs::checkpoint(path); });
+  std::optional<std::string> index;
+  if (!c.index.empty()) index = std::string(c.index);
+  return {from_rust(c.files), index, from_rust(c.problems)};
+}
+
 double resident_fraction(std::string file) {
   return call_rust([&] { return rs::resident_fraction(file); });
 }
@@ -351,6 +395,8 @@ TORCH_LIBRARY(fastsafetensors, m) {
       "load_with_report(str[] files, str device=\"cpu\", ScalarType? dtype=None, str? reader=None,"
       " bool? nogds=None) -> (Dict(str, Tensor), str[])");
   m.def("keys(str file) -> str[]");
+  m.def("check_device(str device) -> str");
+  m.def("checkpoint(str path) -> (str[] files, str? index, str[] problems)");
   m.def("resident_fraction(str file) -> float");
   m.def("release_staging_buffers() -> int");
   m.def("metadata(str file) -> Dict(str, str)?");
@@ -361,6 +407,8 @@ TORCH_LIBRARY_IMPL(fastsafetensors, CompositeExplicitAutograd, m) {
   m.impl("load", TORCH_FN(load));
   m.impl("load_with_report", TORCH_FN(load_with_report));
   m.impl("keys", TORCH_FN(keys));
+  m.impl("check_device", TORCH_FN(check_device));
+  m.impl("checkpoint", TORCH_FN(checkpoint));
   m.impl("resident_fraction", TORCH_FN(resident_fraction));
   m.impl("release_staging_buffers", TORCH_FN(release_staging_buffers));
   m.impl("metadata", TORCH_FN(metadata));

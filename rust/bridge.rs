@@ -7,13 +7,14 @@
 #![allow(clippy::ptr_arg)]
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::checkpoint::{self, Checkpoint};
 use crate::cuda::driver::{self, RawEvent};
 use crate::error::{Error, Result};
 use crate::gds::GdsMode;
-use crate::io::{HostBuffer, ReaderKind, SourceFile};
+use crate::io::{self, HostBuffer, ReaderKind, SourceFile};
 use crate::loader::{self, DeviceOptions, DeviceTarget, LoadOptions, Loaded, Planned};
 use crate::plan::{self, Placement};
 
@@ -36,6 +37,14 @@ mod ffi {
     struct FileCopy {
         path: String,
         offset: usize,
+    }
+
+    /// The files a path given to a load stands for, and what is wrong with them.
+    struct CheckpointSpec {
+        files: Vec<String>,
+        /// The index the files come from; empty if none.
+        index: String,
+        problems: Vec<String>,
     }
 
     struct MetadataEntry {
@@ -97,10 +106,13 @@ mod ffi {
         fn read_header(path: &str) -> Result<HeaderSpec>;
         /// Fraction of the file's pages in the page cache (what `auto` decides by).
         fn resident_fraction(path: &str) -> Result<f64>;
+        /// The files `path` (a file, checkpoint directory or index) stands for, with every
+        /// problem found in their headers against each other and the index.
+        fn checkpoint(path: &str) -> Result<CheckpointSpec>;
     }
 }
 
-use ffi::{FileCopy, HeaderSpec, MetadataEntry, TensorSpec};
+use ffi::{CheckpointSpec, FileCopy, HeaderSpec, MetadataEntry, TensorSpec};
 
 pub struct PlannedFiles {
     planned: Planned,
@@ -154,8 +166,14 @@ fn reader_kind(reader: &str) -> Result<ReaderKind> {
     ReaderKind::resolve(Some(reader).filter(|r| !r.is_empty()))
 }
 
+/// Every load starts here: settings checked, paths resolved to files (directories and
+/// indexes expanded), headers validated, and the tensors checked against any index.
 fn plan(paths: &[String]) -> Result<Planned> {
-    loader::plan_files(&paths.iter().map(PathBuf::from).collect::<Vec<_>>())
+    io::check_env()?;
+    let checkpoints = checkpoint::resolve_all(&paths.iter().map(PathBuf::from).collect::<Vec<_>>())?;
+    let planned = loader::plan_files(&checkpoint::files(&checkpoints))?;
+    checkpoint::check_placed(&checkpoints, &planned.tensors)?;
+    Ok(planned)
 }
 
 fn plan_files(paths: &Vec<String>) -> Result<Box<PlannedFiles>> {
@@ -256,9 +274,22 @@ fn resident_fraction(path: &str) -> Result<f64> {
     guard(|| SourceFile::open(std::path::Path::new(path))?.resident_fraction())
 }
 
+fn checkpoint(path: &str) -> Result<CheckpointSpec> {
+    guard(|| {
+        let c = Checkpoint::resolve(Path::new(path))?;
+        let report = c.report_path().display().to_string();
+        Ok(CheckpointSpec {
+            files: c.files.iter().map(|f| f.display().to_string()).collect(),
+            index: c.index.as_ref().map(|i| i.path.display().to_string()).unwrap_or_default(),
+            problems: c.survey().iter().map(|p| format!("{report}: {p}")).collect(),
+        })
+    })
+}
+
 fn read_header(path: &str) -> Result<HeaderSpec> {
     guard(|| {
         let path = PathBuf::from(path);
+        checkpoint::check_single_file(&path)?;
         let header = loader::read_header(&path)?;
         let placements = plan::place(std::slice::from_ref(&path), std::slice::from_ref(&header))?;
         Ok(HeaderSpec {

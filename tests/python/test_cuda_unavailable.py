@@ -50,7 +50,7 @@ def test_unknown_device_is_rejected(tmp_path):
     save_file({"w": torch.ones(4)}, str(path))
     import fastsafetensors_rs
 
-    with pytest.raises(RuntimeError, match="only cpu and cuda"):
+    with pytest.raises(ValueError, match="only cpu and cuda"):  # an argument error, in one line
         fastsafetensors_rs.load_file(path, device="meta")
 
 
