@@ -141,7 +141,8 @@ CHECK = textwrap.dedent("""
             assert torch.equal(g.contiguous().view(-1).view(torch.uint8),
                                t.contiguous().view(-1).view(torch.uint8)), name
             count += 1
-    print(json.dumps({"torch": torch.__version__, "package": str(home), "tensors": count}))
+    print(json.dumps({"torch": torch.__version__, "package": str(home), "tensors": count,
+                      "library_bytes": Path(fst.LIBRARY_PATH).stat().st_size}))
 """)
 
 
@@ -238,6 +239,7 @@ def test_sdist_builds_a_wheel_that_works_in_a_fresh_venv(scratch, checkpoint):
         cwd=scratch)
     wheel = only((wheels / "a").glob("*.whl"))
     assert wheel.name.endswith("-cp310-abi3-linux_x86_64.whl"), wheel.name
+    print(f"{wheel.name}: {wheel.stat().st_size} bytes; sdist {sdist.stat().st_size} bytes")
     with zipfile.ZipFile(wheel) as zf:
         entry_points = zf.read(only(n for n in zf.namelist() if n.endswith(".dist-info/entry_points.txt"))).decode()
     assert "fastsafetensors-rs = fastsafetensors_rs.cli:main" in entry_points, entry_points
