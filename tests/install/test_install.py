@@ -152,9 +152,10 @@ def check_load(python, checkpoint, expected_home, cwd, env=None) -> str:
 
 
 def run_core_tests(python, cwd):
-    run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", CORE_TESTS_DESELECT,
+    proc = run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", CORE_TESTS_DESELECT,
          *[ROOT / "tests" / "python" / t for t in CORE_TESTS]],
         cwd=cwd, env={"FASTSAFETENSORS_TEST_INSTALLED": "1"})
+    print(proc.stdout.strip().splitlines()[-1])
 
 
 # ---------------------------------------------------------------- fixtures
@@ -312,6 +313,7 @@ def test_no_build_isolation_install_per_torch(scratch, checkpoint, built_wheel, 
             print(fastsafetensors.__file__)
         """)], cwd=scratch)
         assert "site-packages/fastsafetensors/" in proc.stdout, proc.stdout
+        print("import fastsafetensors ->", proc.stdout.strip())
 
     # The wheel built against .venv's torch refuses to load here, naming both versions.
     site = scratch / f"other-torch-{torch_version}"
