@@ -253,3 +253,21 @@ fn streams_events_and_pinned_memory_go_before_their_context() {
     fake.assert_no_violations();
     assert_eq!(fake.call1::<c_int, c_int>("fake_primary_retained", 1), 0, "retains and releases balance");
 }
+
+#[test]
+fn a_cufile_library_the_user_named_is_the_only_one_tried() {
+    let (fake, _serial) = fake();
+    let dir = TempDir::new("fake-cufile-env");
+    let not_a_library = dir.write("libcufile.so.0", b"not a shared object");
+    let chosen = std::env::var_os("FASTSAFETENSORS_CUFILE");
+    std::env::set_var("FASTSAFETENSORS_CUFILE", &not_a_library);
+    let opened = fastsafetensors::cuda::cufile::CuFileLibrary::open();
+    std::env::set_var("FASTSAFETENSORS_CUFILE", chosen.expect("the fake sets it"));
+    let err = opened.err().expect("a file that is not a library must not load");
+    assert!(
+        err.starts_with(&format!("FASTSAFETENSORS_CUFILE={} could not be loaded", not_a_library.display())),
+        "{err}"
+    );
+    assert!(!err.contains("libcufile.so.1"), "other libraries were tried: {err}");
+    fake.assert_no_violations();
+}

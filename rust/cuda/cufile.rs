@@ -116,8 +116,12 @@ impl CuFileLibrary {
     /// Call only once a CUDA context exists on a real device: on machines without a GPU,
     /// `cuFileDriverOpen` never returns.
     pub fn open() -> Result<CuFileLibrary, String> {
-        let mut names: Vec<String> = std::env::var(CUFILE_ENV).into_iter().filter(|s| !s.is_empty()).collect();
-        names.extend(LIBRARY_NAMES.iter().map(|s| s.to_string()));
+        // A library the user named is the only one tried: quietly loading another would hide
+        // that their choice does not load.
+        let names: Vec<String> = match std::env::var(CUFILE_ENV) {
+            Ok(chosen) if !chosen.is_empty() => vec![chosen],
+            _ => LIBRARY_NAMES.iter().map(|s| s.to_string()).collect(),
+        };
         let mut tried = Vec::new();
         let library = names
             .iter()
@@ -125,7 +129,12 @@ impl CuFileLibrary {
                 // SAFETY: loading cuFile runs only its own initialisers.
                 unsafe { Library::new(name) }.map_err(|e| tried.push(format!("{name}: {e}"))).ok()
             })
-            .ok_or_else(|| format!("libcufile could not be loaded ({})", tried.join("; ")))?;
+            .ok_or_else(|| match std::env::var(CUFILE_ENV) {
+                Ok(chosen) if !chosen.is_empty() => {
+                    format!("{CUFILE_ENV}={chosen} could not be loaded ({})", tried.join("; "))
+                }
+                _ => format!("libcufile could not be loaded ({})", tried.join("; ")),
+            })?;
         // SAFETY: the symbol types match cufile.h (CUfileError_t is {int, CUresult}).
         unsafe {
             let symbol = |name: &[u8]| -> Result<*const (), String> {
