@@ -82,6 +82,7 @@ def _build_modules(displaced_top: Optional[types.ModuleType]) -> Dict[str, types
         "(fastsafetensors_rs.install_as_fastsafetensors()).",
     )
     top.__spec__ = importlib.machinery.ModuleSpec(PACKAGE, None, origin=compat.__file__)
+    top.__file__ = compat.__file__  # `from fastsafetensors import X` errors name it
     for attr in _TOP_LEVEL:
         setattr(top, attr, getattr(compat, attr))
     top.__all__ = list(_TOP_LEVEL)

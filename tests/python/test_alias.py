@@ -59,10 +59,15 @@ def test_opt_in_gives_the_compatible_api(multi_file_model):
             assert sys.modules["fastsafetensors"] is module
 
         try:
-            from fastsafetensors import AutoLoader
-        except ImportError as e:
+            fastsafetensors.AutoLoader
+        except AttributeError as e:
             assert "not part of the compatible API" in str(e), e
             print("no AutoLoader")
+        try:
+            from fastsafetensors import AutoLoader
+        except ImportError as e:
+            assert "fastsafetensors_rs/compat" in str(e), e
+            print("no AutoLoader here")
         for name in ("fastsafetensors.common", "fastsafetensors.cpp"):
             try:
                 __import__(name)
@@ -71,5 +76,5 @@ def test_opt_in_gives_the_compatible_api(multi_file_model):
                 print("no", name)
         print("loaded", len(expected))
     """, *paths))
-    assert out.splitlines() == ["no AutoLoader", "no fastsafetensors.common", "no fastsafetensors.cpp",
+    assert out.splitlines() == ["no AutoLoader", "no AutoLoader here", "no fastsafetensors.common", "no fastsafetensors.cpp",
                                 f"loaded {sum(len(s) for s in shards)}"]
