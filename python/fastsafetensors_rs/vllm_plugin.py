@@ -28,6 +28,7 @@ Supported: vLLM 0.22 to 0.33 (the loader API of May to November 2026).
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 import time
@@ -41,7 +42,7 @@ from .weights import weights_iterator
 
 logger = logging.getLogger("fastsafetensors_rs")
 
-__all__ = ["LOAD_FORMAT", "OPTIONS", "ENV_INSTALL_AS", "register", "make_loader_class"]
+__all__ = ["LOAD_FORMAT", "OPTIONS", "ENV_INSTALL_AS", "register", "make_loader_class", "parse_options"]
 
 LOAD_FORMAT = "fastsafetensors_rs"
 ENV_INSTALL_AS = "FASTSAFETENSORS_INSTALL_AS_FASTSAFETENSORS"
@@ -98,6 +99,10 @@ def _show_progress(requested: bool) -> bool:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank() == 0
     return True
+
+
+def _is_other_ranks_expert(should_skip_weight: Callable[[str, Set[int]], bool], local: Set[int], name: str) -> bool:
+    return should_skip_weight(name, local)
 
 
 def _without_other_experts(
@@ -177,9 +182,7 @@ def make_loader_class(default_loader: type, weight_utils: Any) -> type:
             local_experts: Optional[Set[int]] = getattr(self, "local_expert_ids", None)
             skip: Optional[Callable[[str], bool]] = None
             if local_experts is not None and should_skip_weight is not None:
-                def skip(name: str) -> bool:
-                    return should_skip_weight(name, local_experts)
-
+                skip = functools.partial(_is_other_ranks_expert, should_skip_weight, local_experts)
                 files, dropped = _without_other_experts(files, skip)
                 logger.debug("expert parallelism: %d file(s) of other ranks' experts not read", dropped)
 
