@@ -7,16 +7,15 @@
 #![allow(clippy::ptr_arg)]
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use crate::cuda::cufile::{self, CuFileLibrary};
-use crate::cuda::driver::{self, Context};
-use crate::device::CudaDevice;
+use crate::checkpoint::{self, Checkpoint};
+use crate::cuda::driver::{self, RawEvent};
 use crate::error::{Error, Result};
 use crate::gds::GdsMode;
-use crate::io::{HostBuffer, ReaderKind, SourceFile};
-use crate::loader::{self, DeviceOptions, LoadOptions, Loaded, Planned};
+use crate::io::{self, HostBuffer, ReaderKind, SourceFile};
+use crate::loader::{self, DeviceOptions, DeviceTarget, LoadOptions, Loaded, Planned};
 use crate::plan::{self, Placement};
 
 #[cxx::bridge(namespace = "fastsafetensors::rs")]
@@ -32,6 +31,20 @@ mod ffi {
         nbytes: usize,
         /// False when the data is not aligned to its element size and must be copied.
         aligned: bool,
+    }
+
+    /// How a file reached the device, and where in its allocation its byte 0 landed.
+    struct FileCopy {
+        path: String,
+        offset: usize,
+    }
+
+    /// The files a path given to a load stands for, and what is wrong with them.
+    struct CheckpointSpec {
+        files: Vec<String>,
+        /// The index the files come from; empty if none.
+        index: String,
+        problems: Vec<String>,
     }
 
     struct MetadataEntry {
@@ -58,21 +71,27 @@ mod ffi {
         fn plan_files(paths: &Vec<String>) -> Result<Box<PlannedFiles>>;
         fn tensors(self: &PlannedFiles) -> &Vec<TensorSpec>;
         fn file_count(self: &PlannedFiles) -> usize;
-        /// Bytes of device memory file `index` needs.
-        fn device_len(self: &PlannedFiles, index: usize) -> usize;
-        /// Fills device memory `dsts[i]` with file i on CUDA device `ordinal`; returns how
-        /// each file was read. `nogds`: -1 unset (auto), 0 false (require GDS), 1 true.
+        /// Bytes of device memory to allocate for file `index`.
+        fn device_alloc_len(self: &PlannedFiles, index: usize) -> usize;
+        /// Reads file `files[i]` into the allocation at device address `bases[i]` on CUDA
+        /// device `ordinal`; returns how each was read and where its byte 0 landed. `nogds`:
+        /// -1 unset (auto), 0 false (require GDS), 1 true. `ready`: a CUevent recorded on
+        /// torch's current stream after the allocations (0: none); the copies come after it.
         fn copy_to_cuda(
             self: &PlannedFiles,
             ordinal: usize,
-            dsts: &Vec<u64>,
+            files: &Vec<usize>,
+            bases: &Vec<u64>,
             reader: &str,
             nogds: i32,
-        ) -> Result<Vec<String>>;
+            ready: u64,
+        ) -> Result<Vec<FileCopy>>;
+        /// Frees the pinned staging buffers kept for later CUDA loads; returns how many.
+        fn release_staging_buffers() -> usize;
 
-        /// Loads `paths` into host memory with `reader` ("auto", "direct", "mmap", or "" for
-        /// the default).
-        fn load_files(paths: &Vec<String>, reader: &str) -> Result<Box<LoadedFiles>>;
+        /// Reads planned files into host memory with `reader` ("auto", "direct", "mmap", or
+        /// "" for the default).
+        fn read_to_host(planned: Box<PlannedFiles>, reader: &str) -> Result<Box<LoadedFiles>>;
         fn tensors(self: &LoadedFiles) -> &Vec<TensorSpec>;
         /// How each file was read: "direct", "buffered" or "mmap".
         fn read_paths(self: &LoadedFiles) -> Vec<String>;
@@ -87,10 +106,13 @@ mod ffi {
         fn read_header(path: &str) -> Result<HeaderSpec>;
         /// Fraction of the file's pages in the page cache (what `auto` decides by).
         fn resident_fraction(path: &str) -> Result<f64>;
+        /// The files `path` (a file, checkpoint directory or index) stands for, with every
+        /// problem found in their headers against each other and the index.
+        fn checkpoint(path: &str) -> Result<CheckpointSpec>;
     }
 }
 
-use ffi::{HeaderSpec, MetadataEntry, TensorSpec};
+use ffi::{CheckpointSpec, FileCopy, HeaderSpec, MetadataEntry, TensorSpec};
 
 pub struct PlannedFiles {
     planned: Planned,
@@ -144,8 +166,14 @@ fn reader_kind(reader: &str) -> Result<ReaderKind> {
     ReaderKind::resolve(Some(reader).filter(|r| !r.is_empty()))
 }
 
+/// Every load starts here: settings checked, paths resolved to files (directories and
+/// indexes expanded), headers validated, and the tensors checked against any index.
 fn plan(paths: &[String]) -> Result<Planned> {
-    loader::plan_files(&paths.iter().map(PathBuf::from).collect::<Vec<_>>())
+    io::check_env()?;
+    let checkpoints = checkpoint::resolve_all(&paths.iter().map(PathBuf::from).collect::<Vec<_>>())?;
+    let planned = loader::plan_files(&checkpoint::files(&checkpoints))?;
+    checkpoint::check_placed(&checkpoints, &planned.tensors)?;
+    Ok(planned)
 }
 
 fn plan_files(paths: &Vec<String>) -> Result<Box<PlannedFiles>> {
@@ -154,15 +182,6 @@ fn plan_files(paths: &Vec<String>) -> Result<Box<PlannedFiles>> {
         let specs = specs(&planned.tensors)?;
         Ok(Box::new(PlannedFiles { planned, specs }))
     })
-}
-
-/// cuFile, opened once per process, or why it cannot be used.
-fn cufile_library(gds: GdsMode) -> std::result::Result<&'static CuFileLibrary, &'static str> {
-    static LIBRARY: OnceLock<std::result::Result<CuFileLibrary, String>> = OnceLock::new();
-    if gds == GdsMode::Auto && !cufile::nvidia_fs_loaded() {
-        return Err("the nvidia-fs driver is not loaded");
-    }
-    LIBRARY.get_or_init(CuFileLibrary::open).as_ref().map_err(String::as_str)
 }
 
 impl PlannedFiles {
@@ -174,37 +193,51 @@ impl PlannedFiles {
         self.planned.sources.len()
     }
 
-    fn device_len(&self, index: usize) -> usize {
-        self.planned.device_len(index) as usize
+    fn device_alloc_len(&self, index: usize) -> usize {
+        self.planned.device_alloc_len(index) as usize
     }
 
-    fn copy_to_cuda(&self, ordinal: usize, dsts: &Vec<u64>, reader: &str, nogds: i32) -> Result<Vec<String>> {
+    #[allow(clippy::too_many_arguments)]
+    fn copy_to_cuda(
+        &self,
+        ordinal: usize,
+        files: &Vec<usize>,
+        bases: &Vec<u64>,
+        reader: &str,
+        nogds: i32,
+        ready: u64,
+    ) -> Result<Vec<FileCopy>> {
         guard(|| {
+            if files.len() != bases.len() {
+                return Err(Error::InvalidArgument(format!("{} allocations for {} files", bases.len(), files.len())));
+            }
             let gds = GdsMode::from_nogds(match nogds {
                 0 => Some(false),
                 1 => Some(true),
                 _ => None,
             });
             let options = DeviceOptions { reader: reader_kind(reader)?, gds, ..DeviceOptions::default() };
-            let ctx = Context::primary(ordinal)?;
-            // The destination came from torch's caching allocator: work torch queued on it
-            // before it was freed and handed to us may still be running.
-            ctx.synchronize()?;
-            let device = CudaDevice::new(ctx)?;
-            // cuFile is opened only now that a context exists on a real device.
-            let cufile = if gds == GdsMode::Never { Err("disabled (nogds=True)") } else { cufile_library(gds) };
-            let paths = self.planned.copy_to_device(&device, cufile, dsts, &options)?;
-            device.synchronize()?;
-            Ok(paths.into_iter().map(|p| p.name().to_owned()).collect())
+            let targets: Vec<_> = files.iter().zip(bases).map(|(&file, &base)| DeviceTarget { file, base }).collect();
+            // SAFETY: the extension keeps the event alive until this call returns.
+            let ready = (ready != 0).then(|| unsafe { RawEvent::from_raw(ready) });
+            let copies = self.planned.copy_to_cuda(ordinal, &targets, &options, ready)?;
+            Ok(copies
+                .into_iter()
+                .map(|c| FileCopy { path: c.path.name().to_owned(), offset: c.offset as usize })
+                .collect())
         })
     }
 }
 
-fn load_files(paths: &Vec<String>, reader: &str) -> Result<Box<LoadedFiles>> {
+fn release_staging_buffers() -> usize {
+    guard(|| Ok(loader::release_staging_buffers())).unwrap_or(0)
+}
+
+fn read_to_host(planned: Box<PlannedFiles>, reader: &str) -> Result<Box<LoadedFiles>> {
     guard(|| {
         let options = LoadOptions { reader: reader_kind(reader)?, ..LoadOptions::default() };
-        let loaded = plan(paths)?.read_to_host(&options)?;
-        let specs = specs(&loaded.tensors)?;
+        let PlannedFiles { planned, specs } = *planned;
+        let loaded = planned.read_to_host(&options)?;
         Ok(Box::new(LoadedFiles { loaded, specs }))
     })
 }
@@ -241,9 +274,22 @@ fn resident_fraction(path: &str) -> Result<f64> {
     guard(|| SourceFile::open(std::path::Path::new(path))?.resident_fraction())
 }
 
+fn checkpoint(path: &str) -> Result<CheckpointSpec> {
+    guard(|| {
+        let c = Checkpoint::resolve(Path::new(path))?;
+        let report = c.report_path().display().to_string();
+        Ok(CheckpointSpec {
+            files: c.files.iter().map(|f| f.display().to_string()).collect(),
+            index: c.index.as_ref().map(|i| i.path.display().to_string()).unwrap_or_default(),
+            problems: c.survey().iter().map(|p| format!("{report}: {p}")).collect(),
+        })
+    })
+}
+
 fn read_header(path: &str) -> Result<HeaderSpec> {
     guard(|| {
         let path = PathBuf::from(path);
+        checkpoint::check_single_file(&path)?;
         let header = loader::read_header(&path)?;
         let placements = plan::place(std::slice::from_ref(&path), std::slice::from_ref(&header))?;
         Ok(HeaderSpec {

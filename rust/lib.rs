@@ -1,6 +1,7 @@
 //! Fast, validated loading of `.safetensors` checkpoints into host or CUDA memory.
 //!
-//! The data flows one way through the modules: [`format`] parses and validates headers,
+//! The data flows one way through the modules: [`checkpoint`] turns the paths given
+//! (files, checkpoint directories, indexes) into files, [`format`] parses and validates headers,
 //! [`plan`] decides what to read and where each tensor lands, [`io`] moves the bytes into
 //! host memory, and [`staged`] (through a [`device::StagingDevice`]) or [`gds`] (through
 //! cuFile) into device memory; [`loader`] runs them for a set of files. [`cuda`] holds every
@@ -8,6 +9,7 @@
 //! wraps the buffers as tensors.
 
 pub mod bridge;
+pub mod checkpoint;
 pub mod cuda;
 pub mod device;
 pub mod error;

@@ -9,36 +9,61 @@ from typing import Dict, Iterable, List, Optional, Union
 
 import torch
 
+from ._dtypes import cast_dtype
+from ._logging import level_from_env
 from ._ops import ops
+from .progress import progress_from_env
 
 logger = logging.getLogger("fastsafetensors_rs")
 
 PathLike = Union[str, os.PathLike]
 Device = Union[str, int, torch.device]
 
-__all__ = ["load", "load_file", "safe_open"]
+__all__ = ["load", "load_file", "release_staging_buffers", "safe_open"]
 
 
 def _device_name(device: Device) -> str:
+    """The device argument as the op's device string, checked by the op's own rule ("cpu",
+    "cuda", "cuda:N"); anything else raises ValueError in one line."""
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"device must be a string, an index or a torch.device, not {type(device).__name__}")
     if isinstance(device, int):
-        return f"cuda:{device}"
-    return str(torch.device(device))
+        if device < 0:
+            raise ValueError(f"device={device}: a CUDA device index is 0 or more")
+        device = f"cuda:{device}"
+    try:
+        return ops.check_device(str(device))
+    except RuntimeError as e:
+        raise ValueError(str(e)) from None
+
+
+def check_settings() -> None:
+    """Raises ValueError naming a malformed `FASTSAFETENSORS_LOG` or `_PROGRESS`. Every load
+    runs it, as the core checks its own settings (`_READER`, `_THREADS`, `_MAX_HOST_MEMORY`)
+    at every load: a malformed setting is an error, never silently a default."""
+    level_from_env()
+    progress_from_env()
 
 
 def load(
     files: Union[PathLike, Iterable[PathLike]],
     device: Device = "cpu",
-    dtype: Optional[torch.dtype] = None,
+    dtype: Union[torch.dtype, str, None] = None,
     reader: Optional[str] = None,
     nogds: Optional[bool] = None,
 ) -> Dict[str, torch.Tensor]:
     """Loads every tensor of one or more files into one dict.
 
     Args:
-        files: a path or several; tensor names must be unique across them.
+        files: a path or several; tensor names must be unique across them. A path is a
+            `.safetensors` file, a checkpoint directory (the shards its
+            `*.safetensors.index.json` lists, or without an index every `*.safetensors` in
+            it), or an index file (`*.json`); shards are checked against their index.
         device: where the tensors go ("cpu", "cuda", "cuda:1", an index or a torch.device).
         dtype: if given, floating-point tensors (f16, bf16, f32, f64) are cast to it on the
             device; integer, bool and quantised (float8/float4) tensors keep their dtype.
+            It must be torch.float16, torch.bfloat16, torch.float32 or torch.float64, or the
+            name of one ("bfloat16", "torch.bfloat16", "BF16"); other dtypes are refused.
         reader: "auto" (default: zero-copy mmap for files already in the page cache, parallel
             O_DIRECT reads otherwise), "direct" or "mmap". `$FASTSAFETENSORS_READER` sets the
             default. For CUDA targets it picks how files reach the pinned staging buffers:
@@ -50,10 +75,11 @@ def load(
     The tensors own their memory: no handle needs closing, and a file's buffer is freed when
     the last tensor into it is gone.
     """
+    check_settings()
     if isinstance(files, (str, os.PathLike)):
         files = [files]
     paths: List[str] = [os.fspath(f) for f in files]
-    tensors, read_paths = ops.load_with_report(paths, _device_name(device), dtype, reader, nogds)
+    tensors, read_paths = ops.load_with_report(paths, _device_name(device), cast_dtype(dtype), reader, nogds)
     if logger.isEnabledFor(logging.DEBUG):
         for path, how in zip(paths, read_paths):
             logger.debug("%s: read with %s", path, how)
@@ -63,19 +89,29 @@ def load(
 def load_file(
     filename: PathLike,
     device: Device = "cpu",
-    dtype: Optional[torch.dtype] = None,
+    dtype: Union[torch.dtype, str, None] = None,
     reader: Optional[str] = None,
     nogds: Optional[bool] = None,
 ) -> Dict[str, torch.Tensor]:
-    """Loads one file, like `safetensors.torch.load_file`. See `load` for the arguments."""
+    """Loads one file (or a checkpoint directory or index), like
+    `safetensors.torch.load_file`. See `load` for the arguments."""
     return load([filename], device=device, dtype=dtype, reader=reader, nogds=nogds)
+
+
+def release_staging_buffers() -> int:
+    """Frees the pinned host memory CUDA loads keep for the next load (per GPU loaded to, up
+    to 2 x FASTSAFETENSORS_THREADS buffers of 8 MiB: 128 MiB by default); returns how many
+    buffers were freed. It is otherwise held until the process exits; a later load allocates
+    it again."""
+    return ops.release_staging_buffers()
 
 
 class safe_open:
     """Reads a file's header on open; loads its data in bulk on first access.
 
     Mirrors `safetensors.safe_open`: `keys()`, `metadata()`, `get_tensor()`, `get_slice()`,
-    usable as a context manager. Tensors stay valid after `close()`.
+    usable as a context manager. Tensors stay valid after `close()`. It opens one
+    `.safetensors` file: a directory or an index is refused (load those with `load_file`).
     """
 
     def __init__(

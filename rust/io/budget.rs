@@ -7,21 +7,20 @@ use crate::error::{Error, Result};
 /// K/M/G/T suffix (powers of 1024), or `unlimited`.
 pub const MAX_HOST_MEMORY_ENV: &str = "FASTSAFETENSORS_MAX_HOST_MEMORY";
 
+/// The cap on owned host memory: `Some(Some(bytes))`, `Some(None)` for `unlimited`, None
+/// when `$FASTSAFETENSORS_MAX_HOST_MEMORY` is not set; an error when it is malformed.
+pub fn limit_from_env() -> Result<Option<Option<u64>>> {
+    super::setting(MAX_HOST_MEMORY_ENV, "bytes with an optional K/M/G/T suffix (e.g. 64G), or 'unlimited'", parse_size)
+}
+
 /// Fails if `needed` bytes of owned host buffers exceed the configured cap or, when none is
 /// set, the memory the kernel reports as available. Zero-copy mappings do not count: they
 /// are page cache the kernel can reclaim.
 pub fn check(needed: u64) -> Result<()> {
-    let (limit, why) = match std::env::var(MAX_HOST_MEMORY_ENV) {
-        Ok(value) if !value.trim().is_empty() => match parse_size(&value) {
-            Some(None) => return Ok(()),
-            Some(Some(limit)) => (limit, "allowed by FASTSAFETENSORS_MAX_HOST_MEMORY"),
-            None => {
-                return Err(Error::InvalidArgument(format!(
-                    "{MAX_HOST_MEMORY_ENV}={value:?}: expected bytes with an optional K/M/G/T suffix, or 'unlimited'"
-                )))
-            }
-        },
-        _ => match mem_available() {
+    let (limit, why) = match limit_from_env()? {
+        Some(None) => return Ok(()),
+        Some(Some(limit)) => (limit, "allowed by FASTSAFETENSORS_MAX_HOST_MEMORY"),
+        None => match mem_available() {
             Some(available) => (available, "available (MemAvailable)"),
             None => return Ok(()),
         },
