@@ -10,7 +10,7 @@ SOURCES := $(shell find rust csrc python/fastsafetensors_rs build_backend \
            Cargo.toml Cargo.lock setup.py pyproject.toml MANIFEST.in README.md LICENSE
 
 .PHONY: all venv build dev demo test test-rust test-python test-install bench gpu-check clean tf4 cpp-example
-.PHONY: fuzz sanitize sanitize-rust sanitize-cpp
+.PHONY: fuzz sanitize sanitize-rust sanitize-cpp test-vllm
 
 all: build
 
@@ -123,9 +123,57 @@ bench: build
 gpu-check: build
 	$(PY) tests/gpu/gpu_check.py $(GPU_CHECK_ARGS)
 
+# Real clients, unmodified: vLLM 0.33 (and older vLLM releases' loaders, SGLang 0.5) with
+# this project installed into their environment as a user installs it. The environment,
+# .venv-vllm, is made once: vLLM's wheel without its dependencies, then its requirements with
+# certifi pinned (vLLM 0.33 asks for certifi>=2026.10.19, newer than the registry serves);
+# they bring torch 2.14.0 and IBM's fastsafetensors 0.5.0. SGLang goes into
+# .venv-vllm/sglang (tests/clients/requirements-sglang.txt), the Python code of older vLLM
+# releases into .venv-vllm/vllm-X for the plugin's tests. Each run installs a clean copy of
+# this checkout (its files as git lists them: what a fresh clone has; only cargo's target/
+# is kept between runs) with `pip install --no-build-isolation`, runs tests/clients, then
+# uninstalls it and checks that IBM's package is whole and still works. See tests/clients/harness.py for what the
+# harness changes to run without a GPU.
+VLLM_VERSION := 0.33.0
+VLLM_OLDER   := 0.22.0 0.31.0
+VLLM_PINS    := certifi==2026.10.18
+VLLM_VENV    := .venv-vllm
+VLLM_PY      := $(VLLM_VENV)/bin/python
+VLLM_READY   := $(VLLM_VENV)/.ready
+CLIENT_COPY  := $(VLLM_VENV)/checkout
+
+$(VLLM_READY): tests/clients/requirements-sglang.txt tests/clients/requirements_of.py
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --upgrade pip packaging
+	$(VLLM_PY) -m pip install --no-deps vllm==$(VLLM_VERSION)
+	$(VLLM_PY) tests/clients/requirements_of.py vllm $(addprefix --override ,$(VLLM_PINS)) > $(VLLM_VENV)/requirements.txt
+	$(VLLM_PY) -m pip install -r $(VLLM_VENV)/requirements.txt pytest wheel
+	$(VLLM_PY) -m pip install --no-deps --target $(VLLM_VENV)/sglang -r tests/clients/requirements-sglang.txt
+	for v in $(VLLM_OLDER); do \
+		$(VLLM_PY) -m pip install --no-deps --target $(VLLM_VENV)/vllm-$$v vllm==$$v gguf==0.19.0 || exit 1; \
+	done
+	touch $@
+
+test-vllm: $(VLLM_READY)
+	@command -v cargo >/dev/null || { echo "cargo is required: install Rust (https://rustup.rs)"; exit 1; }
+	mkdir -p $(CLIENT_COPY) && find $(CLIENT_COPY) -mindepth 1 -maxdepth 1 ! -name target -exec rm -rf {} +
+	git ls-files -z --cached --others --exclude-standard | \
+		tar --null --files-from=- --ignore-failed-read -cf - | tar -xf - -C $(CLIENT_COPY)
+	$(VLLM_PY) -m pip uninstall -y fastsafetensors-rs
+	$(VLLM_PY) -m pip install --no-build-isolation $(CLIENT_COPY)
+	FST_SGLANG_PATH=$(abspath $(VLLM_VENV)/sglang) $(VLLM_PY) -m pytest -p no:cacheprovider tests/clients -q
+	for v in $(VLLM_OLDER); do \
+		PYTHONPATH=$(abspath $(VLLM_VENV)/vllm-$$v) $(VLLM_PY) -m pytest -p no:cacheprovider -q -rs \
+			tests/clients/test_vllm_plugin.py || exit 1; \
+	done
+	$(VLLM_PY) -m pip uninstall -y fastsafetensors-rs
+	$(VLLM_PY) tests/clients/ibm_after_uninstall.py
+
 clean:
 	rm -rf target build dist python/*.egg-info python/fastsafetensors_rs/_C*.so \
-		python/fastsafetensors_rs/_build_info.json $(INSTALLED) $(EDITABLE) .tf4
+		python/fastsafetensors_rs/_build_info.json $(INSTALLED) $(EDITABLE) .tf4 \
+		$(CLIENT_COPY)
 
 # Fuzzing: `make fuzz FUZZ_SECONDS=60` runs each fuzz target for that many seconds, starting
 # from its seeds in fuzz/corpus/<target>/ (fuzz/make_seeds.py writes them). cargo-fuzz is

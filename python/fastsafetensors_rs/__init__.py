@@ -29,6 +29,8 @@ _LAZY = {
     "patched_transformers": ".transformers_patch",
     "unpatch_transformers": ".transformers_patch",
     "weights_iterator": ".weights",
+    "install_as_fastsafetensors": "._alias",
+    "FastsafetensorsAliasWarning": "._alias",
 }
 
 # Submodules reachable as attributes (`fastsafetensors_rs.compat`), as when all were eager.
