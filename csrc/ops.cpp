@@ -128,7 +128,8 @@ using Loaded = std::tuple<TensorDict, std::vector<std::string>>;
 Loaded load_to_host(const std::vector<std::string>& files, const std::string& reader,
                     std::optional<at::ScalarType> dtype) {
   auto paths = to_rust(files);
-  auto loaded = call_rust([&] { return rs::load_files(paths, reader); });
+  rs::TensorSelection everything{false, {}, ::rust::String("glob")};
+  auto loaded = call_rust([&] { return rs::load_files(paths, reader, everything); });
   std::vector<Buffer> buffers;
   for (size_t i = 0; i < loaded->buffer_count(); ++i) {
     buffers.push_back(std::make_shared<::rust::Box<rs::BufferRef>>(loaded->buffer(i)));

@@ -15,9 +15,11 @@ use crate::cuda::driver::{self, Context};
 use crate::device::CudaDevice;
 use crate::error::{Error, Result};
 use crate::gds::GdsMode;
-use crate::io::{HostBuffer, ReaderKind, SourceFile};
+use crate::io::{budget, HostBuffer, ReaderKind, SourceFile};
 use crate::loader::{self, DeviceOptions, LoadOptions, Loaded, Planned};
 use crate::plan::{self, Placement};
+use crate::select::{MatchMode, RowRange, Selection, TensorFilter};
+use crate::stream::{self, Group, StreamOptions};
 
 #[cxx::bridge(namespace = "fastsafetensors::rs")]
 mod ffi {
@@ -32,6 +34,15 @@ mod ffi {
         nbytes: usize,
         /// False when the data is not aligned to its element size and must be copied.
         aligned: bool,
+    }
+
+    /// Which tensors a load reads.
+    struct TensorSelection {
+        /// False: every tensor (`patterns` and `mode` are not looked at).
+        filtered: bool,
+        patterns: Vec<String>,
+        /// "exact", "glob" or "regex".
+        mode: String,
     }
 
     struct MetadataEntry {
@@ -51,6 +62,8 @@ mod ffi {
         type PlannedFiles;
         /// The files' tensors in host memory.
         type LoadedFiles;
+        /// Tensors handed out in groups as their bytes arrive.
+        type TensorStream;
         /// A reference on one file's host buffer; the buffer is freed when the last drops.
         type BufferRef;
 
@@ -70,9 +83,12 @@ mod ffi {
             nogds: i32,
         ) -> Result<Vec<String>>;
 
-        /// Loads `paths` into host memory with `reader` ("auto", "direct", "mmap", or "" for
-        /// the default).
-        fn load_files(paths: &Vec<String>, reader: &str) -> Result<Box<LoadedFiles>>;
+        /// Loads the selected tensors of `paths` into host memory with `reader` ("auto",
+        /// "direct", "mmap", or "" for the default).
+        fn load_files(paths: &Vec<String>, reader: &str, selection: &TensorSelection) -> Result<Box<LoadedFiles>>;
+        /// Loads rows `[start, stop)` of tensor `name` of `path` into host memory, reading
+        /// only their bytes.
+        fn load_rows(path: &str, name: &str, start: u64, stop: u64, reader: &str) -> Result<Box<LoadedFiles>>;
         fn tensors(self: &LoadedFiles) -> &Vec<TensorSpec>;
         /// How each file was read: "direct", "buffered" or "mmap".
         fn read_paths(self: &LoadedFiles) -> Vec<String>;
@@ -80,6 +96,25 @@ mod ffi {
         fn buffer(self: &LoadedFiles, index: usize) -> Box<BufferRef>;
         /// Address of the first byte of the buffer.
         fn address(self: &BufferRef) -> usize;
+
+        /// A streaming load of the selected tensors of `paths` into host memory, holding at
+        /// most `max_memory` ("" for `$FASTSAFETENSORS_MAX_MEMORY` or the default) of buffers.
+        fn open_stream(
+            paths: &Vec<String>,
+            reader: &str,
+            selection: &TensorSelection,
+            max_memory: &str,
+        ) -> Result<Box<TensorStream>>;
+        /// Waits for the next group of tensors; false after the last.
+        fn next_group(self: &mut TensorStream) -> Result<bool>;
+        /// The current group's tensors, all in buffer 0: `group_buffer()`.
+        fn group_tensors(self: &TensorStream) -> &Vec<TensorSpec>;
+        fn group_buffer(self: &TensorStream) -> Result<Box<BufferRef>>;
+        /// How the current group was read: "direct", "buffered" or "mmap" ("" before the first).
+        fn group_read_path(self: &TensorStream) -> &str;
+        /// Tensors and bytes of tensor data the stream hands out in all.
+        fn tensor_count(self: &TensorStream) -> usize;
+        fn byte_count(self: &TensorStream) -> u64;
 
         /// Number of CUDA devices; an error naming the reason when there is no driver.
         fn cuda_device_count() -> Result<usize>;
@@ -90,7 +125,7 @@ mod ffi {
     }
 }
 
-use ffi::{HeaderSpec, MetadataEntry, TensorSpec};
+use ffi::{HeaderSpec, MetadataEntry, TensorSelection, TensorSpec};
 
 pub struct PlannedFiles {
     planned: Planned,
@@ -104,19 +139,20 @@ pub struct LoadedFiles {
 
 pub struct BufferRef(Arc<HostBuffer>);
 
-/// Runs `f`, turning a panic into [`Error::Panic`].
-fn guard<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
-    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|payload| {
-        let msg = payload
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| payload.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "unknown panic".to_owned());
-        Err(Error::Panic(msg))
-    })
+pub struct TensorStream {
+    stream: stream::TensorStream,
+    group: Option<Group>,
+    specs: Vec<TensorSpec>,
 }
 
-fn spec(t: &Placement) -> Result<TensorSpec> {
+/// Runs `f`, turning a panic into [`Error::Panic`].
+fn guard<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|payload| Err(Error::from_panic(payload)))
+}
+
+/// The spec of tensor `t`, which starts at `offset` in buffer `buffer`. Takes the name from
+/// `name` (moved, not copied, where the placement is not needed any more).
+fn spec_at(t: &Placement, name: String, buffer: usize, offset: u64) -> Result<TensorSpec> {
     let shape = t
         .shape
         .iter()
@@ -126,18 +162,40 @@ fn spec(t: &Placement) -> Result<TensorSpec> {
         })
         .collect::<Result<_>>()?;
     Ok(TensorSpec {
-        name: t.name.clone(),
+        name,
         dtype: t.dtype.name().to_owned(),
         shape,
-        buffer: t.file,
-        offset: t.offset as usize,
+        buffer,
+        offset: offset as usize,
         nbytes: t.nbytes as usize,
         aligned: t.aligned,
     })
 }
 
+/// Specs of tensors read as whole files: buffer `i` is file `i`, offsets are file offsets.
 fn specs(tensors: &[Placement]) -> Result<Vec<TensorSpec>> {
-    tensors.iter().map(spec).collect()
+    tensors.iter().map(|t| spec_at(t, t.name.clone(), t.file, t.offset)).collect()
+}
+
+/// Specs of loaded tensors: buffer `k` is extent `k`.
+fn loaded_specs(loaded: &Loaded) -> Result<Vec<TensorSpec>> {
+    let mut out = Vec::with_capacity(loaded.tensors.len());
+    for (k, e) in loaded.extents.iter().enumerate() {
+        for t in &loaded.tensors[e.tensors.clone()] {
+            out.push(spec_at(t, t.name.clone(), k, e.offset_of(t))?);
+        }
+    }
+    Ok(out)
+}
+
+impl TensorSelection {
+    fn to_selection(&self) -> Result<Selection> {
+        if !self.filtered {
+            return Ok(Selection::all());
+        }
+        let mode: MatchMode = self.mode.parse()?;
+        Ok(Selection::filtered(TensorFilter::new(mode, &self.patterns)?))
+    }
 }
 
 fn reader_kind(reader: &str) -> Result<ReaderKind> {
@@ -200,13 +258,80 @@ impl PlannedFiles {
     }
 }
 
-fn load_files(paths: &Vec<String>, reader: &str) -> Result<Box<LoadedFiles>> {
+fn load_files(paths: &Vec<String>, reader: &str, selection: &TensorSelection) -> Result<Box<LoadedFiles>> {
     guard(|| {
         let options = LoadOptions { reader: reader_kind(reader)?, ..LoadOptions::default() };
-        let loaded = plan(paths)?.read_to_host(&options)?;
-        let specs = specs(&loaded.tensors)?;
+        let loaded = plan(paths)?.select(&selection.to_selection()?)?.read_to_host(&options)?;
+        let specs = loaded_specs(&loaded)?;
         Ok(Box::new(LoadedFiles { loaded, specs }))
     })
+}
+
+fn load_rows(path: &str, name: &str, start: u64, stop: u64, reader: &str) -> Result<Box<LoadedFiles>> {
+    guard(|| {
+        let options = LoadOptions { reader: reader_kind(reader)?, ..LoadOptions::default() };
+        let exact = TensorFilter::new(MatchMode::Exact, &[name])?;
+        let selection = Selection { filter: Some(exact), rows: vec![RowRange { name: name.to_owned(), start, stop }] };
+        let loaded = plan(&[path.to_owned()])?.select(&selection)?.read_to_host(&options)?;
+        let specs = loaded_specs(&loaded)?;
+        Ok(Box::new(LoadedFiles { loaded, specs }))
+    })
+}
+
+fn open_stream(
+    paths: &Vec<String>,
+    reader: &str,
+    selection: &TensorSelection,
+    max_memory: &str,
+) -> Result<Box<TensorStream>> {
+    guard(|| {
+        let budget = budget::stream_budget(Some(max_memory).filter(|m| !m.is_empty()))?;
+        let options = StreamOptions { reader: reader_kind(reader)?, ..StreamOptions::with_budget(budget) };
+        let planned = plan(paths)?.select(&selection.to_selection()?)?;
+        let stream = stream::TensorStream::open(planned, options)?;
+        Ok(Box::new(TensorStream { stream, group: None, specs: Vec::new() }))
+    })
+}
+
+impl TensorStream {
+    fn next_group(&mut self) -> Result<bool> {
+        guard(|| {
+            self.group = None;
+            self.specs.clear();
+            let Some(mut group) = self.stream.next_group()? else { return Ok(false) };
+            let mut specs = Vec::with_capacity(group.tensors.len());
+            for t in &mut group.tensors {
+                let name = std::mem::take(&mut t.name);
+                specs.push(spec_at(t, name, 0, t.offset - group.start)?);
+            }
+            self.specs = specs;
+            self.group = Some(group);
+            Ok(true)
+        })
+    }
+
+    fn group_tensors(&self) -> &Vec<TensorSpec> {
+        &self.specs
+    }
+
+    fn group_buffer(&self) -> Result<Box<BufferRef>> {
+        guard(|| match &self.group {
+            Some(group) => Ok(Box::new(BufferRef(Arc::clone(&group.buffer)))),
+            None => Err(Error::InvalidArgument("the stream has no current group".into())),
+        })
+    }
+
+    fn group_read_path(&self) -> &str {
+        self.group.as_ref().map_or("", |g| g.read_path.name())
+    }
+
+    fn tensor_count(&self) -> usize {
+        self.stream.tensor_count()
+    }
+
+    fn byte_count(&self) -> u64 {
+        self.stream.byte_count()
+    }
 }
 
 impl LoadedFiles {

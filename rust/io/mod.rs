@@ -1,12 +1,13 @@
 //! Reading files into host memory.
 //!
-//! Each file becomes one [`HostBuffer`] holding the whole file from offset 0, so a tensor's
-//! address is `buffer + file offset`. Two ways to fill it:
+//! The unit of reading is an [`Extent`]: an aligned byte range of one file (the whole file for
+//! a plain load) that becomes one [`HostBuffer`], so a tensor's address is
+//! `buffer + (file offset - extent start)`. Two ways to fill it:
 //!
 //! - [`direct`]: parallel `pread`s with `O_DIRECT` into page-aligned anonymous memory (the
 //!   cold-file path: no page-cache copy), falling back to buffered reads where the
 //!   filesystem refuses `O_DIRECT`;
-//! - [`mmap`]: a private copy-on-write mapping of the file (the warm-file path: zero-copy,
+//! - [`mmap`]: a private copy-on-write mapping of the range (the warm-file path: zero-copy,
 //!   tensors point straight at the page cache until written to).
 //!
 //! [`ReaderKind::Auto`] picks per file: mmap when the file's pages are already resident,
@@ -27,6 +28,7 @@ use memmap2::MmapMut;
 
 use crate::error::{Error, Result};
 use crate::format::{self, Header};
+use crate::plan::Extent;
 
 /// Environment variable that picks the reader when the caller does not.
 pub const READER_ENV: &str = "FASTSAFETENSORS_READER";
@@ -86,8 +88,13 @@ pub enum ReadPath {
     Buffered,
     /// A zero-copy mapping of the file.
     Mmap,
+    /// A zero-copy mapping chosen because direct reads of every file would not have fitted
+    /// the host-memory limit (see [`budget`]).
+    MmapFallback,
     /// GPUDirect Storage, straight into device memory.
     Gds,
+    /// Nothing: no tensor of the file was selected.
+    NotRead,
 }
 
 impl ReadPath {
@@ -96,18 +103,32 @@ impl ReadPath {
             ReadPath::Direct => "direct",
             ReadPath::Buffered => "buffered",
             ReadPath::Mmap => "mmap",
+            ReadPath::MmapFallback => "mmap-fallback",
             ReadPath::Gds => "gds",
+            ReadPath::NotRead => "none",
         }
     }
 }
 
-/// A whole file in host memory: page-aligned, writable, released on drop.
+/// An extent of a file in host memory: page-aligned, writable, released on drop together
+/// with whatever it was given to hold (a stream's reservation of memory).
 pub struct HostBuffer {
     map: MmapMut,
     path: ReadPath,
+    _held: Option<Box<dyn Send + Sync>>,
 }
 
 impl HostBuffer {
+    pub(crate) fn new(map: MmapMut, path: ReadPath) -> HostBuffer {
+        HostBuffer { map, path, _held: None }
+    }
+
+    /// The same buffer, also keeping `held` until it is dropped.
+    pub(crate) fn holding(mut self, held: Box<dyn Send + Sync>) -> HostBuffer {
+        self._held = Some(held);
+        self
+    }
+
     pub fn as_ptr(&self) -> *const u8 {
         self.map.as_ptr()
     }
@@ -121,11 +142,22 @@ impl HostBuffer {
     }
 }
 
+/// `len` bytes of page-aligned anonymous memory (at least one page, so that an extent with no
+/// bytes still has an address).
+pub(crate) fn alloc(len: u64, path: &Path) -> Result<MmapMut> {
+    let len =
+        usize::try_from(len.max(1)).map_err(|_| Error::io(path, "allocate", std::io::ErrorKind::OutOfMemory.into()))?;
+    MmapMut::map_anon(len).map_err(|e| Error::io(path, "allocate", e))
+}
+
 /// How a file will be brought into host memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HostRead {
-    /// Zero-copy: this mapping of the file.
-    Map(MmapMut),
-    /// Direct reads into memory allocated for the file (`align_up(len, 4096)` bytes).
+    /// Zero-copy: a mapping of each extent.
+    Map,
+    /// A mapping, because direct reads would not fit the host-memory limit.
+    MapOverLimit,
+    /// Direct reads into memory allocated for each extent.
     Direct,
 }
 
@@ -200,23 +232,17 @@ impl SourceFile {
     /// Decides how to bring the file into host memory: the reader `kind` asks for, or for
     /// `Auto`, a mapping if the file is resident and direct reads otherwise.
     pub fn choose(&self, kind: ReaderKind) -> Result<HostRead> {
-        match kind {
-            ReaderKind::Mmap => Ok(HostRead::Map(mmap::map(self)?)),
-            ReaderKind::Direct => Ok(HostRead::Direct),
-            ReaderKind::Auto => {
-                Ok(if self.is_resident()? { HostRead::Map(mmap::map(self)?) } else { HostRead::Direct })
-            }
-        }
+        Ok(match kind {
+            ReaderKind::Mmap => HostRead::Map,
+            ReaderKind::Direct => HostRead::Direct,
+            ReaderKind::Auto if self.is_resident()? => HostRead::Map,
+            ReaderKind::Auto => HostRead::Direct,
+        })
     }
 
-    /// Carries out `how`. Fails if the file changed meanwhile.
-    pub fn read(&self, how: HostRead, block: u64) -> Result<HostBuffer> {
-        let buffer = match how {
-            HostRead::Map(map) => HostBuffer { map, path: ReadPath::Mmap },
-            HostRead::Direct => direct::read(self, block)?,
-        };
-        self.check_unchanged()?;
-        Ok(buffer)
+    /// Maps `extent` of the file (copy-on-write; nothing is read until touched).
+    pub fn map_extent(&self, extent: &Extent, path: ReadPath) -> Result<HostBuffer> {
+        Ok(HostBuffer::new(mmap::map_range(self, extent.start, extent.expected)?, path))
     }
 
     /// Whether (nearly) all of the file is in the page cache, so reading it through the
