@@ -4,9 +4,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <unordered_map>
 #include <vector>
@@ -18,7 +21,8 @@ namespace fastsafetensors {
 namespace {
 
 using TensorDict = c10::Dict<std::string, at::Tensor>;
-using Buffer = std::shared_ptr<::rust::Box<rs::BufferRef>>;
+// Names and tensors in read order.
+using NamedTensors = std::tuple<std::vector<std::string>, std::vector<at::Tensor>>;
 
 // Calls into Rust, turning its errors into torch errors (RuntimeError in Python).
 template <class F>
@@ -30,9 +34,11 @@ auto call_rust(F&& f) -> decltype(f()) {
   }
 }
 
+std::string_view view(const ::rust::String& s) { return {s.data(), s.size()}; }
+
 // The torch dtype of a safetensors dtype name.
 at::ScalarType scalar_type(const rs::TensorSpec& t) {
-  static const std::unordered_map<std::string, at::ScalarType> table = {
+  static const std::unordered_map<std::string_view, at::ScalarType> table = {
       {"BOOL", at::kBool},
       {"U8", at::kByte},
       {"I8", at::kChar},
@@ -54,7 +60,7 @@ at::ScalarType scalar_type(const rs::TensorSpec& t) {
       {"F8_E8M0", at::kFloat8_e8m0fnu},
       {"F4", at::kFloat4_e2m1fn_x2},
   };
-  auto it = table.find(std::string(t.dtype));
+  auto it = table.find(view(t.dtype));
   TORCH_CHECK(it != table.end(), "tensor '", std::string(t.name), "': dtype ", std::string(t.dtype),
               " has no torch equivalent");
   return it->second;
@@ -63,7 +69,7 @@ at::ScalarType scalar_type(const rs::TensorSpec& t) {
 // The torch shape: torch packs F4 two per element (float4_e2m1fn_x2), halving the last dim.
 std::vector<int64_t> torch_shape(const rs::TensorSpec& t) {
   std::vector<int64_t> shape(t.shape.begin(), t.shape.end());
-  if (std::string(t.dtype) == "F4") {
+  if (view(t.dtype) == "F4") {
     TORCH_CHECK(!shape.empty() && shape.back() % 2 == 0, "tensor '", std::string(t.name),
                 "': F4 needs an even last dimension to load as torch.float4_e2m1fn_x2");
     shape.back() /= 2;
@@ -71,18 +77,52 @@ std::vector<int64_t> torch_shape(const rs::TensorSpec& t) {
   return shape;
 }
 
-// A tensor over the bytes of `t` in a host buffer. Each tensor's deleter holds a reference
-// on its buffer, so the buffer lives exactly as long as the last tensor into it.
-at::Tensor wrap_host(const rs::TensorSpec& t, const Buffer& buffer) {
+// One host buffer of the Rust loader, shared by the tensors in it. Each tensor's DataPtr
+// holds one count (its context), so the Rust buffer is released with the last tensor into
+// it. A count per tensor, rather than a std::function deleter holding a shared_ptr, costs no
+// allocation per tensor: what matters for checkpoints of 100k small tensors.
+class SharedBuffer {
+ public:
+  // The buffer, with one count held by the returned handle.
+  static std::unique_ptr<SharedBuffer, void (*)(SharedBuffer*)> take(::rust::Box<rs::BufferRef> ref) {
+    return {new SharedBuffer(std::move(ref)), [](SharedBuffer* b) { release(b); }};
+  }
+
+  uint8_t* base() const { return base_; }
+
+  // A count for one more tensor, as a DataPtr context released by `release`.
+  void* acquire() {
+    refs_.fetch_add(1, std::memory_order_relaxed);
+    return this;
+  }
+
+  static void release(void* ctx) {
+    auto* self = static_cast<SharedBuffer*>(ctx);
+    if (self->refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete self;
+  }
+
+ private:
+  explicit SharedBuffer(::rust::Box<rs::BufferRef> ref)
+      : ref_(std::move(ref)), base_(reinterpret_cast<uint8_t*>(ref_->address())) {}
+
+  ::rust::Box<rs::BufferRef> ref_;
+  uint8_t* base_;
+  std::atomic<size_t> refs_{1};
+};
+
+using Buffer = std::unique_ptr<SharedBuffer, void (*)(SharedBuffer*)>;
+
+// A tensor over the bytes of `t` in a host buffer, keeping the buffer alive.
+at::Tensor wrap_host(const rs::TensorSpec& t, SharedBuffer& buffer) {
   const auto type = scalar_type(t);
   const auto shape = torch_shape(t);
   const auto options = at::TensorOptions().dtype(type).device(at::kCPU);
   if (t.nbytes == 0) {
     return at::empty(shape, options);
   }
-  auto* data = reinterpret_cast<uint8_t*>((*buffer)->address()) + t.offset;
+  auto* data = buffer.base() + t.offset;
   if (t.aligned) {
-    return at::from_blob(data, shape, [buffer](void*) {}, options);
+    return at::for_blob(data, shape).context(buffer.acquire(), &SharedBuffer::release).options(options).make_tensor();
   }
   // Not aligned to its element size (the header length is not a multiple of it): copy the
   // bytes into fresh, aligned memory, then reinterpret them.
@@ -125,20 +165,51 @@ std::vector<std::string> from_rust(const ::rust::Vec<::rust::String>& strings) {
 
 using Loaded = std::tuple<TensorDict, std::vector<std::string>>;
 
-Loaded load_to_host(const std::vector<std::string>& files, const std::string& reader,
-                    std::optional<at::ScalarType> dtype) {
+// Which tensors to load: all, or those `tensor_filter` selects in `mode`.
+rs::TensorSelection selection(const std::optional<std::vector<std::string>>& tensor_filter, const std::string& mode) {
+  rs::TensorSelection out{tensor_filter.has_value(), {}, ::rust::String(mode)};
+  if (tensor_filter) out.patterns = to_rust(*tensor_filter);
+  return out;
+}
+
+NamedTensors named(std::vector<std::string> names, std::vector<at::Tensor> tensors) {
+  return {std::move(names), std::move(tensors)};
+}
+
+TensorDict to_dict(NamedTensors&& loaded) {
+  auto& [names, tensors] = loaded;
+  TensorDict out;
+  out.reserve(names.size());
+  for (size_t i = 0; i < names.size(); ++i) out.insert(std::move(names[i]), std::move(tensors[i]));
+  return out;
+}
+
+// Wraps every tensor of `specs`, whose buffers are `buffers`, in order.
+template <class Specs>
+NamedTensors wrap_all(const Specs& specs, const std::vector<Buffer>& buffers, std::optional<at::ScalarType> dtype) {
+  std::vector<std::string> names;
+  std::vector<at::Tensor> tensors;
+  names.reserve(specs.size());
+  tensors.reserve(specs.size());
+  for (const auto& spec : specs) {
+    names.emplace_back(spec.name.data(), spec.name.size());
+    tensors.push_back(cast(wrap_host(spec, *buffers[spec.buffer]), dtype));
+  }
+  return named(std::move(names), std::move(tensors));
+}
+
+std::tuple<NamedTensors, std::vector<std::string>> load_to_host(const std::vector<std::string>& files,
+                                                                const std::string& reader,
+                                                                const rs::TensorSelection& chosen,
+                                                                std::optional<at::ScalarType> dtype) {
   auto paths = to_rust(files);
-  rs::TensorSelection everything{false, {}, ::rust::String("glob")};
-  auto loaded = call_rust([&] { return rs::load_files(paths, reader, everything); });
+  auto loaded = call_rust([&] { return rs::load_files(paths, reader, chosen); });
   std::vector<Buffer> buffers;
+  buffers.reserve(loaded->buffer_count());
   for (size_t i = 0; i < loaded->buffer_count(); ++i) {
-    buffers.push_back(std::make_shared<::rust::Box<rs::BufferRef>>(loaded->buffer(i)));
+    buffers.push_back(SharedBuffer::take(loaded->buffer(i)));
   }
-  TensorDict tensors;
-  for (const auto& spec : loaded->tensors()) {
-    tensors.insert(std::string(spec.name), cast(wrap_host(spec, buffers[spec.buffer]), dtype));
-  }
-  return {std::move(tensors), from_rust(loaded->read_paths())};
+  return {wrap_all(loaded->tensors(), buffers, dtype), from_rust(loaded->read_paths())};
 }
 
 Loaded load_to_cuda(const std::vector<std::string>& files, const c10::Device& target,
@@ -173,20 +244,121 @@ Loaded load_to_cuda(const std::vector<std::string>& files, const c10::Device& ta
   return {std::move(tensors), from_rust(read_paths)};
 }
 
-Loaded load_with_report(std::vector<std::string> files, std::string device,
-                        std::optional<at::ScalarType> dtype, std::optional<std::string> reader,
-                        std::optional<bool> nogds) {
+// The selected tensors of `files` on `device`, in read order, and how each file was read.
+std::tuple<std::vector<std::string>, std::vector<at::Tensor>, std::vector<std::string>> load_named(
+    std::vector<std::string> files, std::string device, std::optional<at::ScalarType> dtype,
+    std::optional<std::string> reader, std::optional<bool> nogds,
+    std::optional<std::vector<std::string>> tensor_filter, std::string tensor_name_match_mode) {
   const c10::Device target(device);
   TORCH_CHECK(target.is_cpu() || target.is_cuda(), "fastsafetensors: cannot load to device '", device,
               "' (only cpu and cuda)");
-  return target.is_cpu() ? load_to_host(files, reader.value_or(""), dtype)
-                         : load_to_cuda(files, target, reader.value_or(""), dtype, nogds);
+  const auto chosen = selection(tensor_filter, tensor_name_match_mode);
+  if (target.is_cuda() && !tensor_filter) {
+    auto [dict, read_paths] = load_to_cuda(files, target, reader.value_or(""), dtype, nogds);
+    std::vector<std::string> names;
+    std::vector<at::Tensor> tensors;
+    for (const auto& entry : dict) {
+      names.push_back(entry.key());
+      tensors.push_back(entry.value());
+    }
+    return {std::move(names), std::move(tensors), std::move(read_paths)};
+  }
+  // A selection on CUDA: only the selected bytes are read, into host memory, then copied.
+  auto [loaded, read_paths] = load_to_host(files, reader.value_or(""), chosen, target.is_cuda() ? std::nullopt : dtype);
+  auto& [names, tensors] = loaded;
+  if (target.is_cuda()) {
+    for (auto& t : tensors) t = cast(t.to(target), dtype);
+  }
+  return {std::move(names), std::move(tensors), std::move(read_paths)};
 }
 
-TensorDict load(std::vector<std::string> files, std::string device,
-                std::optional<at::ScalarType> dtype, std::optional<std::string> reader,
-                std::optional<bool> nogds) {
-  return std::get<0>(load_with_report(std::move(files), std::move(device), dtype, std::move(reader), nogds));
+Loaded load_with_report(std::vector<std::string> files, std::string device, std::optional<at::ScalarType> dtype,
+                        std::optional<std::string> reader, std::optional<bool> nogds,
+                        std::optional<std::vector<std::string>> tensor_filter, std::string tensor_name_match_mode) {
+  auto [names, tensors, read_paths] = load_named(std::move(files), std::move(device), dtype, std::move(reader), nogds,
+                                                 std::move(tensor_filter), std::move(tensor_name_match_mode));
+  return {to_dict(named(std::move(names), std::move(tensors))), std::move(read_paths)};
+}
+
+TensorDict load(std::vector<std::string> files, std::string device, std::optional<at::ScalarType> dtype,
+                std::optional<std::string> reader, std::optional<bool> nogds,
+                std::optional<std::vector<std::string>> tensor_filter, std::string tensor_name_match_mode) {
+  return std::get<0>(load_with_report(std::move(files), std::move(device), dtype, std::move(reader), nogds,
+                                      std::move(tensor_filter), std::move(tensor_name_match_mode)));
+}
+
+// Rows [start, stop) of tensor `name`, reading only their bytes.
+at::Tensor load_rows(std::string file, std::string name, int64_t start, int64_t stop, std::optional<std::string> reader) {
+  TORCH_CHECK(start >= 0 && stop >= 0, "fastsafetensors: rows [", start, ", ", stop, ") of '", name,
+              "': negative row index");
+  auto loaded = call_rust([&] {
+    return rs::load_rows(file, name, static_cast<uint64_t>(start), static_cast<uint64_t>(stop), reader.value_or(""));
+  });
+  std::vector<Buffer> buffers;
+  for (size_t i = 0; i < loaded->buffer_count(); ++i) buffers.push_back(SharedBuffer::take(loaded->buffer(i)));
+  auto [names, tensors] = wrap_all(loaded->tensors(), buffers, std::nullopt);
+  TORCH_CHECK(tensors.size() == 1, "fastsafetensors: internal error: ", tensors.size(), " tensors for one row range");
+  return tensors.front();
+}
+
+// Names of the tensors a filter selects, in read order, from the headers alone.
+std::vector<std::string> selected(std::vector<std::string> files, std::optional<std::vector<std::string>> tensor_filter,
+                                  std::string tensor_name_match_mode) {
+  auto paths = to_rust(files);
+  const auto chosen = selection(tensor_filter, tensor_name_match_mode);
+  return from_rust(call_rust([&] { return rs::selected_names(paths, chosen); }));
+}
+
+// A streaming load: `next()` returns the next group of tensors, in read order, as soon as
+// its bytes have arrived, while the reads of later groups go on in the background. Each
+// tensor keeps the buffer of its group alive; dropping the stream stops its reads.
+class TensorStream : public torch::CustomClassHolder {
+ public:
+  TensorStream(::rust::Box<rs::TensorStream> stream, c10::Device target, std::optional<at::ScalarType> dtype)
+      : stream_(std::move(stream)), target_(target), dtype_(dtype) {}
+
+  // The next group's names and tensors; None after the last.
+  std::optional<NamedTensors> next() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!call_rust([&] { return stream_->next_group(); })) return std::nullopt;
+    std::vector<Buffer> buffer;
+    buffer.push_back(SharedBuffer::take(call_rust([&] { return stream_->group_buffer(); })));
+    auto group = wrap_all(stream_->group_tensors(), buffer, target_.is_cuda() ? std::nullopt : dtype_);
+    if (target_.is_cuda()) {
+      for (auto& t : std::get<1>(group)) t = cast(t.to(target_), dtype_);
+    }
+    return group;
+  }
+
+  // How the last group was read: "direct", "buffered" or "mmap" ("" before the first).
+  std::string read_path() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return std::string(stream_->group_read_path());
+  }
+
+  int64_t tensor_count() { return static_cast<int64_t>(stream_->tensor_count()); }
+  int64_t byte_count() { return static_cast<int64_t>(stream_->byte_count()); }
+
+ private:
+  std::mutex mutex_;
+  ::rust::Box<rs::TensorStream> stream_;
+  c10::Device target_;
+  std::optional<at::ScalarType> dtype_;
+};
+
+c10::intrusive_ptr<TensorStream> open_stream(std::vector<std::string> files, std::string device,
+                                             std::optional<at::ScalarType> dtype, std::optional<std::string> reader,
+                                             std::optional<std::vector<std::string>> tensor_filter,
+                                             std::string tensor_name_match_mode,
+                                             std::optional<std::string> max_memory) {
+  const c10::Device target(device);
+  TORCH_CHECK(target.is_cpu() || target.is_cuda(), "fastsafetensors: cannot load to device '", device,
+              "' (only cpu and cuda)");
+  auto paths = to_rust(files);
+  const auto chosen = selection(tensor_filter, tensor_name_match_mode);
+  auto stream =
+      call_rust([&] { return rs::open_stream(paths, reader.value_or(""), chosen, max_memory.value_or("")); });
+  return c10::make_intrusive<TensorStream>(std::move(stream), target, dtype);
 }
 
 rs::HeaderSpec header(const std::string& file) {
@@ -232,12 +404,28 @@ std::optional<c10::Dict<std::string, std::string>> metadata(std::string file) {
 }  // namespace
 
 TORCH_LIBRARY(fastsafetensors, m) {
+  m.class_<TensorStream>("TensorStream")
+      .def("next", &TensorStream::next)
+      .def("read_path", &TensorStream::read_path)
+      .def("tensor_count", &TensorStream::tensor_count)
+      .def("byte_count", &TensorStream::byte_count);
   m.def(
-      "load(str[] files, str device=\"cpu\", ScalarType? dtype=None, str? reader=None, bool? nogds=None)"
-      " -> Dict(str, Tensor)");
+      "load(str[] files, str device=\"cpu\", ScalarType? dtype=None, str? reader=None, bool? nogds=None,"
+      " str[]? tensor_filter=None, str tensor_name_match_mode=\"glob\") -> Dict(str, Tensor)");
   m.def(
       "load_with_report(str[] files, str device=\"cpu\", ScalarType? dtype=None, str? reader=None,"
-      " bool? nogds=None) -> (Dict(str, Tensor), str[])");
+      " bool? nogds=None, str[]? tensor_filter=None, str tensor_name_match_mode=\"glob\")"
+      " -> (Dict(str, Tensor), str[])");
+  m.def(
+      "load_named(str[] files, str device=\"cpu\", ScalarType? dtype=None, str? reader=None, bool? nogds=None,"
+      " str[]? tensor_filter=None, str tensor_name_match_mode=\"glob\")"
+      " -> (str[] names, Tensor[] tensors, str[] read_paths)");
+  m.def("load_rows(str file, str name, int start, int stop, str? reader=None) -> Tensor");
+  m.def(
+      "open_stream(str[] files, str device=\"cpu\", ScalarType? dtype=None, str? reader=None,"
+      " str[]? tensor_filter=None, str tensor_name_match_mode=\"glob\", str? max_memory=None)"
+      " -> __torch__.torch.classes.fastsafetensors.TensorStream");
+  m.def("selected(str[] files, str[]? tensor_filter=None, str tensor_name_match_mode=\"glob\") -> str[]");
   m.def("keys(str file) -> str[]");
   m.def("resident_fraction(str file) -> float");
   m.def("metadata(str file) -> Dict(str, str)?");
@@ -247,6 +435,10 @@ TORCH_LIBRARY(fastsafetensors, m) {
 TORCH_LIBRARY_IMPL(fastsafetensors, CompositeExplicitAutograd, m) {
   m.impl("load", TORCH_FN(load));
   m.impl("load_with_report", TORCH_FN(load_with_report));
+  m.impl("load_named", TORCH_FN(load_named));
+  m.impl("load_rows", TORCH_FN(load_rows));
+  m.impl("open_stream", TORCH_FN(open_stream));
+  m.impl("selected", TORCH_FN(selected));
   m.impl("keys", TORCH_FN(keys));
   m.impl("resident_fraction", TORCH_FN(resident_fraction));
   m.impl("metadata", TORCH_FN(metadata));

@@ -97,6 +97,8 @@ mod ffi {
         /// Address of the first byte of the buffer.
         fn address(self: &BufferRef) -> usize;
 
+        /// Names of the tensors `selection` picks from `paths`, in read order (headers only).
+        fn selected_names(paths: &Vec<String>, selection: &TensorSelection) -> Result<Vec<String>>;
         /// A streaming load of the selected tensors of `paths` into host memory, holding at
         /// most `max_memory` ("" for `$FASTSAFETENSORS_MAX_MEMORY` or the default) of buffers.
         fn open_stream(
@@ -276,6 +278,10 @@ fn load_rows(path: &str, name: &str, start: u64, stop: u64, reader: &str) -> Res
         let specs = loaded_specs(&loaded)?;
         Ok(Box::new(LoadedFiles { loaded, specs }))
     })
+}
+
+fn selected_names(paths: &Vec<String>, selection: &TensorSelection) -> Result<Vec<String>> {
+    guard(|| Ok(plan(paths)?.select(&selection.to_selection()?)?.tensors.into_iter().map(|t| t.name).collect()))
 }
 
 fn open_stream(
