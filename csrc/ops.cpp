@@ -330,10 +330,16 @@ class TensorStream : public torch::CustomClassHolder {
     return group;
   }
 
-  // How the last group was read: "direct", "buffered" or "mmap" ("" before the first).
+  // How the last group was read: "direct", "buffered", "mmap" or "mmap-fallback" ("" before
+  // the first), and the index of its file (-1 before the first).
   std::string read_path() {
     std::lock_guard<std::mutex> lock(mutex_);
     return std::string(stream_->group_read_path());
+  }
+
+  int64_t file_index() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return stream_->group_file();
   }
 
   int64_t tensor_count() { return static_cast<int64_t>(stream_->tensor_count()); }
@@ -407,6 +413,7 @@ TORCH_LIBRARY(fastsafetensors, m) {
   m.class_<TensorStream>("TensorStream")
       .def("next", &TensorStream::next)
       .def("read_path", &TensorStream::read_path)
+      .def("file_index", &TensorStream::file_index)
       .def("tensor_count", &TensorStream::tensor_count)
       .def("byte_count", &TensorStream::byte_count);
   m.def(

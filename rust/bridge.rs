@@ -112,8 +112,11 @@ mod ffi {
         /// The current group's tensors, all in buffer 0: `group_buffer()`.
         fn group_tensors(self: &TensorStream) -> &Vec<TensorSpec>;
         fn group_buffer(self: &TensorStream) -> Result<Box<BufferRef>>;
-        /// How the current group was read: "direct", "buffered" or "mmap" ("" before the first).
+        /// How the current group was read: "direct", "buffered", "mmap" or "mmap-fallback" (""
+        /// before the first).
         fn group_read_path(self: &TensorStream) -> &str;
+        /// Index in `paths` of the file of the current group (-1 before the first).
+        fn group_file(self: &TensorStream) -> i64;
         /// Tensors and bytes of tensor data the stream hands out in all.
         fn tensor_count(self: &TensorStream) -> usize;
         fn byte_count(self: &TensorStream) -> u64;
@@ -329,6 +332,10 @@ impl TensorStream {
 
     fn group_read_path(&self) -> &str {
         self.group.as_ref().map_or("", |g| g.read_path.name())
+    }
+
+    fn group_file(&self) -> i64 {
+        self.group.as_ref().map_or(-1, |g| g.file as i64)
     }
 
     fn tensor_count(&self) -> usize {

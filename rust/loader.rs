@@ -265,7 +265,7 @@ impl Planned {
 /// are mapped instead, from the last, until the rest fit: a mapping is page cache the kernel
 /// can reclaim, so a load larger than memory still succeeds, as it does with safetensors.
 /// An explicit `direct` reader is not overridden: it fails with a clear error instead.
-fn map_what_does_not_fit(how: &mut [HostRead], wanted: &[u64], reader: ReaderKind) -> Result<()> {
+pub(crate) fn map_what_does_not_fit(how: &mut [HostRead], wanted: &[u64], reader: ReaderKind) -> Result<()> {
     let mut owned: u64 = (0..how.len()).filter(|&i| how[i] == HostRead::Direct).map(|i| wanted[i]).sum();
     if reader != ReaderKind::Auto {
         return budget::check(owned);

@@ -40,7 +40,7 @@ use std::thread::JoinHandle;
 use crate::error::{Error, Result};
 use crate::io::direct::{self, BlockReader};
 use crate::io::{io_pool, HostBuffer, HostRead, ReadPath, ReaderKind, SourceFile};
-use crate::loader::Planned;
+use crate::loader::{self, Planned};
 use crate::plan::{self, Extent, ExtentPolicy, Placement, IO_ALIGN};
 
 /// Largest group when the budget allows it: large enough that a group's reads keep several
@@ -128,20 +128,35 @@ impl TensorStream {
             extents.iter().map(|e| placements.by_ref().take(e.tensors.len()).collect()).collect();
         let sources: Vec<Arc<SourceFile>> = planned.sources.into_iter().map(Arc::new).collect();
         // A reader for each file read directly; files mapped (or with nothing selected) have none.
-        let mut readers = vec![None; sources.len()];
-        let mut chosen = vec![false; sources.len()];
+        let mut wanted = vec![0u64; sources.len()];
         for e in &extents {
-            let src = &sources[e.file];
-            if !std::mem::replace(&mut chosen[e.file], true) && src.choose(options.reader)? == HostRead::Direct {
-                readers[e.file] = Some(Arc::new(BlockReader::open(Arc::clone(src), true)?));
+            wanted[e.file] += e.len;
+        }
+        let mut how = Vec::with_capacity(sources.len());
+        for (src, &bytes) in sources.iter().zip(&wanted) {
+            how.push(if bytes == 0 { HostRead::Map } else { src.choose(options.reader)? });
+        }
+        if options.budget == u64::MAX {
+            // No budget: the caller keeps everything, as a load that returns it all does.
+            loader::map_what_does_not_fit(&mut how, &wanted, options.reader)?;
+        }
+        let mut readers = vec![None; sources.len()];
+        for (i, src) in sources.iter().enumerate() {
+            if how[i] == HostRead::Direct {
+                readers[i] = Some(Arc::new(BlockReader::open(Arc::clone(src), true)?));
             }
         }
         let shared = Arc::new(Shared::default());
         let (tx, rx) = channel();
+        let mapped = how
+            .iter()
+            .map(|&h| if h == HostRead::MapOverLimit { ReadPath::MmapFallback } else { ReadPath::Mmap })
+            .collect();
         let work = Schedule {
             shared: Arc::clone(&shared),
             sources: sources.clone(),
             readers: readers.clone(),
+            mapped,
             groups: extents.into_iter().zip(members).collect(),
             options,
         };
@@ -389,6 +404,8 @@ struct Schedule {
     shared: Arc<Shared>,
     sources: Vec<Arc<SourceFile>>,
     readers: Vec<Option<Arc<Reader>>>,
+    /// How each file without a reader is mapped: as it is in the page cache, or over the limit.
+    mapped: Vec<ReadPath>,
     groups: Vec<(Extent, Vec<Placement>)>,
     options: StreamOptions,
 }
@@ -418,7 +435,8 @@ impl Schedule {
             read_path,
         };
         let Some(reader) = &self.readers[extent.file] else {
-            return Ok(Pending { group: group(src.map_extent(&extent, ReadPath::Mmap)?, ReadPath::Mmap), reads: None });
+            let path = self.mapped[extent.file];
+            return Ok(Pending { group: group(src.map_extent(&extent, path)?, path), reads: None });
         };
         let block = plan::io_block(self.options.block);
         let blocks = extent.blocks(src.len, IO_ALIGN, block);

@@ -219,29 +219,72 @@ def stream(
     consumer that keeps every tensor still gets them all, but read one group at a time.
 
     Headers are read and the selection checked when this is called (errors are raised here);
-    reading starts at once. Leaving the loop early (`break`, an exception) stops the reads: the
-    iteration's resources are released when the generator is closed or collected.
+    reading starts at once. Leaving the loop early (`break`, an exception) stops the reads once
+    the iterator is closed (`close()`, a `with` block) or dropped.
     """
     paths = _paths(files)
     patterns, mode = _filter_args(tensor_filter, tensor_name_match_mode, paths)
     handle = ops.open_stream(paths, _device_name(device), dtype, reader, patterns, mode, _max_memory(max_memory))
     _nothing_selected(patterns, mode, handle.tensor_count(), paths)
-    return _drain(handle)
+    return TensorIterator(handle, paths)
 
 
-def _drain(handle) -> Iterator[Tuple[str, torch.Tensor]]:
-    while True:
-        with _gc_paused():
-            group = handle.next()
-        if group is None:
+class TensorIterator:
+    """The iterator `stream` returns: `(name, tensor)` pairs, and how many tensors and bytes
+    there are in all (`tensor_count`, `byte_count`). `close()` (or dropping it) stops the reads."""
+
+    def __init__(self, handle, paths: Sequence[str]):
+        self._handle = handle
+        self._paths = paths
+        self._reported: set = set()
+        self._names: List[str] = []
+        self._tensors: List[Optional[torch.Tensor]] = []
+        self._next = 0
+        self.tensor_count: int = handle.tensor_count()
+        self.byte_count: int = handle.byte_count()
+
+    def __iter__(self) -> "TensorIterator":
+        return self
+
+    def __next__(self) -> Tuple[str, torch.Tensor]:
+        while self._next == len(self._names):
+            group = None
+            if self._handle is not None:
+                with _gc_paused():
+                    group = self._handle.next()
+            if group is None:
+                self.close()
+                raise StopIteration
+            self._names, self._tensors = group
+            self._next = 0
+            self._report_file()
+        i = self._next
+        self._next += 1
+        # Hand each tensor over and forget it: only the consumer keeps its buffer alive.
+        tensor, self._tensors[i] = self._tensors[i], None
+        return self._names[i], tensor
+
+    def _report_file(self) -> None:
+        """Logs how each file is read, when its first group arrives."""
+        index = self._handle.file_index()
+        if index in self._reported:
             return
-        names, tensors = group
-        del group
-        for i, name in enumerate(names):
-            # Hand each tensor over and forget it: only the consumer keeps its buffer alive.
-            tensor, tensors[i] = tensors[i], None
-            yield name, tensor
-            del tensor
+        self._reported.add(index)
+        how = self._handle.read_path()
+        if how == "mmap-fallback":
+            logger.info("%s: mapped instead of read: direct reads would not fit in host memory", self._paths[index])
+        logger.debug("%s: read with %s", self._paths[index], how)
+
+    def close(self) -> None:
+        """Stops the reads still going on and drops what was read but not handed out."""
+        self._handle = None
+        self._names, self._tensors, self._next = [], [], 0
+
+    def __enter__(self) -> "TensorIterator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class safe_open:
@@ -254,7 +297,9 @@ class safe_open:
     - several files at once (`safe_open([a, b, c])`), as one set of names;
     - `tensor_filter` / `tensor_name_match_mode`: `keys()` and everything else see only the
       selected tensors, and only their bytes are read;
-    - `max_memory`: the budget of `tensors()` (see `stream`).
+    - `max_memory`: the budget of `tensors()` (see `stream`). `get_tensor` keeps what it reads
+      (until the handle is closed), so it reads without a budget; files whose direct reads
+      would not fit in host memory are mapped instead, as `load` does.
 
     `get_tensor(name)` streams the file holding `name` from its start on first access and
     returns as soon as `name` has arrived (reading the rest of the file goes on in the
@@ -392,7 +437,9 @@ class _FileReader:
                 self.arrived = load([self._path], device=h._device, reader=h._reader, nogds=h._nogds,
                                     tensor_filter=h._patterns, tensor_name_match_mode=h._mode)
             elif self._stream is None:
-                self._stream = _open_stream([self._path], h._device, h._reader, h._patterns, h._mode, h._max_memory)
+                # No budget: the handle keeps everything it reads (files that would not fit in
+                # host memory are mapped instead, as in `load`).
+                self._stream = _open_stream([self._path], h._device, h._reader, h._patterns, h._mode, "unlimited")
             while name not in self.arrived:
                 with _gc_paused():
                     group = self._stream.next() if self._stream is not None else None
