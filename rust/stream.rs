@@ -39,6 +39,8 @@ use std::thread::JoinHandle;
 
 use crate::error::{Error, Result};
 use crate::io::direct::{self, BlockReader};
+use memmap2::MmapMut;
+
 use crate::io::{io_pool, HostBuffer, HostRead, ReadPath, ReaderKind, SourceFile};
 use crate::loader::{self, Planned};
 use crate::plan::{self, Extent, ExtentPolicy, Placement, IO_ALIGN};
@@ -146,7 +148,7 @@ impl TensorStream {
                 readers[i] = Some(Arc::new(BlockReader::open(Arc::clone(src), true)?));
             }
         }
-        let shared = Arc::new(Shared::default());
+        let shared = Arc::new(Shared::new(options.budget, plan::align_up(options.group, IO_ALIGN)));
         let (tx, rx) = channel();
         let mapped = how
             .iter()
@@ -246,6 +248,10 @@ impl TensorStream {
         while state.tasks > 0 {
             state = self.shared.changed.wait(state).unwrap_or_else(PoisonError::into_inner);
         }
+        let idle = std::mem::take(&mut state.idle);
+        state.used -= idle.len() as u64 * self.shared.pooled_len;
+        drop(state);
+        drop(idle);
     }
 }
 
@@ -272,17 +278,23 @@ impl StreamMonitor {
 }
 
 /// What the scheduler, the reads and the consumer share.
-#[derive(Default)]
 struct Shared {
     state: Mutex<State>,
     changed: Condvar,
+    budget: u64,
+    /// Size of the buffers groups are read into and that are kept for reuse: groups up to
+    /// this size. Larger groups (one large tensor) and mappings get buffers of their own.
+    pooled_len: u64,
 }
 
 #[derive(Default)]
 struct State {
     cancelled: bool,
-    /// Bytes reserved by buffers alive.
+    /// Bytes reserved by buffers alive, idle ones included.
     used: u64,
+    /// Buffers of `pooled_len` bytes whose tensors are gone, kept for the next groups: reading
+    /// into memory already faulted in saves allocating and zeroing it again.
+    idle: Vec<MmapMut>,
     /// The group the consumer is blocked on.
     waiting_for: Option<usize>,
     /// Block reads queued or running.
@@ -290,6 +302,10 @@ struct State {
 }
 
 impl Shared {
+    fn new(budget: u64, pooled_len: u64) -> Shared {
+        Shared { state: Mutex::default(), changed: Condvar::new(), budget, pooled_len }
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -303,33 +319,67 @@ impl Shared {
         self.lock().cancelled
     }
 
-    /// Blocks until group `index` of `bytes` may be allocated: it fits `budget`, or the
-    /// consumer is waiting for it. `None` once the stream is cancelled.
-    fn admit(self: &Arc<Self>, index: usize, bytes: u64, budget: u64) -> Option<Reservation> {
+    /// Blocks until group `index` may have `bytes` of memory: an idle buffer (for a pooled
+    /// size), or new memory while it fits the budget or the consumer is waiting for this
+    /// group. `None` once the stream is cancelled.
+    fn admit(self: &Arc<Self>, index: usize, bytes: u64, pooled: bool) -> Option<(Reservation, Option<MmapMut>)> {
         let mut state = self.lock();
         loop {
             if state.cancelled {
                 return None;
             }
-            if state.used.saturating_add(bytes) <= budget || state.waiting_for == Some(index) {
+            if pooled {
+                if let Some(map) = state.idle.pop() {
+                    // The idle buffer's share of the budget passes to the new reservation.
+                    return Some((Reservation { shared: Arc::clone(self), bytes, pooled }, Some(map)));
+                }
+            }
+            // Idle buffers are memory no one uses: free them to make room.
+            while state.used.saturating_add(bytes) > self.budget && !state.idle.is_empty() {
+                state.idle.pop();
+                state.used -= self.pooled_len;
+            }
+            if state.used.saturating_add(bytes) <= self.budget || state.waiting_for == Some(index) {
                 state.used += bytes;
-                return Some(Reservation { shared: Arc::clone(self), bytes });
+                return Some((Reservation { shared: Arc::clone(self), bytes, pooled }, None));
             }
             state = self.changed.wait(state).unwrap_or_else(PoisonError::into_inner);
         }
     }
 }
 
-/// Bytes of the budget held by one buffer, given back when the buffer is freed.
+/// Bytes of the budget held by one buffer: kept with the buffer when it goes back to the pool,
+/// given back when its memory is freed.
 struct Reservation {
     shared: Arc<Shared>,
     bytes: u64,
+    pooled: bool,
+}
+
+impl Reservation {
+    /// Takes the memory of a buffer whose last tensor is gone: into the pool while the stream
+    /// runs and is within its budget, else freed (and the reservation with it).
+    fn release(mut self, map: MmapMut) {
+        let mut state = self.shared.lock();
+        let keep = self.pooled && !state.cancelled && state.used <= self.shared.budget;
+        if keep {
+            state.idle.push(map);
+            self.bytes = 0; // now held by the idle buffer
+            drop(state);
+            self.shared.changed.notify_all();
+        } else {
+            drop(state);
+            drop(map);
+        }
+    }
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
         let bytes = self.bytes;
-        self.shared.update(|s| s.used -= bytes);
+        if bytes > 0 {
+            self.shared.update(|s| s.used -= bytes);
+        }
     }
 }
 
@@ -414,8 +464,12 @@ impl Schedule {
     fn run(mut self, tx: Sender<Result<Pending>>) {
         let groups = std::mem::take(&mut self.groups);
         for (index, (extent, tensors)) in groups.into_iter().enumerate() {
-            let Some(reservation) = self.shared.admit(index, extent.len, self.options.budget) else { return };
-            let started = catch_unwind(AssertUnwindSafe(|| self.start(extent, tensors, reservation)))
+            // Reads go into pooled buffers when the group fits one; mappings need no memory
+            // of their own, but what their tensors touch is counted as well.
+            let pooled = self.readers[extent.file].is_some() && extent.len <= self.shared.pooled_len;
+            let bytes = if pooled { self.shared.pooled_len } else { extent.len };
+            let Some((reservation, reused)) = self.shared.admit(index, bytes, pooled) else { return };
+            let started = catch_unwind(AssertUnwindSafe(|| self.start(extent, tensors, reservation, reused)))
                 .unwrap_or_else(|panic| Err(Error::from_panic(panic)));
             let failed = started.is_err();
             if tx.send(started).is_err() || failed {
@@ -425,12 +479,19 @@ impl Schedule {
     }
 
     /// Allocates or maps the group's buffer and queues its reads.
-    fn start(&self, extent: Extent, tensors: Vec<Placement>, reservation: Reservation) -> Result<Pending> {
+    fn start(
+        &self,
+        extent: Extent,
+        tensors: Vec<Placement>,
+        reservation: Reservation,
+        reused: Option<MmapMut>,
+    ) -> Result<Pending> {
         let src = &self.sources[extent.file];
+        let buffer_len = reservation.bytes;
         let group = |buffer: HostBuffer, read_path| Group {
             file: extent.file,
             start: extent.start,
-            buffer: Arc::new(buffer.holding(Box::new(reservation))),
+            buffer: Arc::new(buffer.on_drop(Box::new(move |map| reservation.release(map)))),
             tensors,
             read_path,
         };
@@ -440,7 +501,10 @@ impl Schedule {
         };
         let block = plan::io_block(self.options.block);
         let blocks = extent.blocks(src.len, IO_ALIGN, block);
-        let mut map = direct::alloc_for_reads(extent.len, &src.path)?;
+        let mut map = match reused {
+            Some(map) => map,
+            None => direct::alloc_for_reads(buffer_len, &src.path)?,
+        };
         let target = FillTarget(map.as_mut_ptr());
         let group = group(HostBuffer::new(map, ReadPath::Direct), ReadPath::Direct);
         let reads = Arc::new(Completion::new(blocks.len()));

@@ -100,8 +100,17 @@ pub fn parse_size(text: &str) -> Option<Option<u64>> {
 }
 
 fn mem_available() -> Option<u64> {
+    meminfo("MemAvailable:")
+}
+
+/// Memory no one uses, not even the page cache: what can be had without reclaiming anything.
+pub(crate) fn mem_free() -> Option<u64> {
+    meminfo("MemFree:")
+}
+
+fn meminfo(field: &str) -> Option<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let line = meminfo.lines().find(|l| l.starts_with(field))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
 }

@@ -42,8 +42,12 @@ pub fn read_extent<S: Deref<Target = SourceFile> + Sync>(
 /// Memory for `len` bytes of reads.
 pub(crate) fn alloc_for_reads(len: u64, path: &std::path::Path) -> Result<MmapMut> {
     let map = alloc(len, path)?;
-    // Huge pages make faulting in the destination several times cheaper; best effort.
-    let _ = map.advise(Advice::HugePage);
+    // Huge pages make faulting in the destination cheaper, but only while free memory has
+    // them: once the page cache fills memory (a machine that has loaded models before), each
+    // 2 MiB page waits for reclaim and compaction, several times slower than small pages.
+    if super::budget::mem_free().is_some_and(|free| free / 2 > len) {
+        let _ = map.advise(Advice::HugePage); // best effort
+    }
     Ok(map)
 }
 

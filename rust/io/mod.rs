@@ -110,35 +110,51 @@ impl ReadPath {
     }
 }
 
-/// An extent of a file in host memory: page-aligned, writable, released on drop together
-/// with whatever it was given to hold (a stream's reservation of memory).
+/// What becomes of a buffer's memory when the buffer is dropped (a stream keeps it for its
+/// next group, or gives back its share of the memory budget).
+pub(crate) type OnDrop = Box<dyn FnOnce(MmapMut) + Send + Sync>;
+
+/// An extent of a file in host memory: page-aligned and writable. Its memory is unmapped on
+/// drop, or handed to its `on_drop`.
 pub struct HostBuffer {
-    map: MmapMut,
+    map: Option<MmapMut>,
     path: ReadPath,
-    _held: Option<Box<dyn Send + Sync>>,
+    on_drop: Option<OnDrop>,
 }
 
 impl HostBuffer {
     pub(crate) fn new(map: MmapMut, path: ReadPath) -> HostBuffer {
-        HostBuffer { map, path, _held: None }
+        HostBuffer { map: Some(map), path, on_drop: None }
     }
 
-    /// The same buffer, also keeping `held` until it is dropped.
-    pub(crate) fn holding(mut self, held: Box<dyn Send + Sync>) -> HostBuffer {
-        self._held = Some(held);
+    /// The same buffer, whose memory goes to `on_drop` when it is dropped.
+    pub(crate) fn on_drop(mut self, on_drop: OnDrop) -> HostBuffer {
+        self.on_drop = Some(on_drop);
         self
     }
 
+    fn map(&self) -> &MmapMut {
+        self.map.as_ref().expect("a live buffer has its memory")
+    }
+
     pub fn as_ptr(&self) -> *const u8 {
-        self.map.as_ptr()
+        self.map().as_ptr()
     }
 
     pub fn as_slice(&self) -> &[u8] {
-        &self.map
+        self.map()
     }
 
     pub fn read_path(&self) -> ReadPath {
         self.path
+    }
+}
+
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        if let (Some(on_drop), Some(map)) = (self.on_drop.take(), self.map.take()) {
+            on_drop(map);
+        }
     }
 }
 
