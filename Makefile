@@ -66,7 +66,10 @@ cpp-example: $(CPP_EXAMPLE)
 bench: build
 	$(PY) bench/bench.py $(BENCH_ARGS)
 
-# On a machine with a GPU: bit-exactness, memory accounting and throughput of the CUDA paths.
+# On a machine with a GPU: every CUDA check in one table (tests/gpu/gpu_check.py lists them),
+# then throughput; under 10 minutes on one GPU. It needs only torch, safetensors and the built
+# package: where there is no cargo, build the extension elsewhere and run
+# `PYTHONPATH=python python tests/gpu/gpu_check.py`.
 gpu-check: build
 	$(PY) tests/gpu/gpu_check.py $(GPU_CHECK_ARGS)
 

@@ -1,6 +1,7 @@
 // The torch ops of fastsafetensors. A translation layer only: the Rust loader decides what
 // to read and how; this file turns its buffers into at::Tensors and registers the ops.
 #include <ATen/ATen.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -130,26 +131,67 @@ at::Tensor wrap_host(const rs::TensorSpec& t, SharedBuffer& buffer) {
   return bytes.clone().view(type).view(shape);
 }
 
-// A tensor over the bytes of `t` in a file's device buffer: a view, so the buffer (owned by
-// torch's caching allocator) is freed when the last tensor into it dies.
-at::Tensor wrap_device(const rs::TensorSpec& t, const at::Tensor& buffer) {
+// A tensor over the bytes of `t` in a file's device buffer, whose byte 0 is at `start` in
+// `buffer`: a view, so the buffer (owned by torch's caching allocator) is freed when the last
+// tensor into it dies.
+at::Tensor wrap_device(const rs::TensorSpec& t, const at::Tensor& buffer, int64_t start) {
   const auto type = scalar_type(t);
   const auto shape = torch_shape(t);
   if (t.nbytes == 0) {
     return at::empty(shape, buffer.options().dtype(type));
   }
-  auto bytes = buffer.narrow(0, static_cast<int64_t>(t.offset), static_cast<int64_t>(t.nbytes));
+  auto bytes = buffer.narrow(0, start + static_cast<int64_t>(t.offset), static_cast<int64_t>(t.nbytes));
   // Misaligned data is copied to fresh aligned memory on the device, not through the host.
   return (t.aligned ? bytes : bytes.clone()).view(type).view(shape);
 }
 
-// Casts only what users mean by "the model's dtype": full-precision floating point.
-// Quantised payloads (float8, float4, e8m0 scales) and integers keep their type. The cast
-// runs where the tensor is: on the GPU for device loads.
+// Fails, before anything is read, on a tensor torch cannot represent.
+template <class Specs>
+void check_torch_types(const Specs& specs) {
+  for (const auto& spec : specs) {
+    scalar_type(spec);
+    torch_shape(spec);
+  }
+}
+
+// `dtype=` casts only what users mean by "the model's dtype": full-precision floating point
+// (F16, BF16, F32, F64), to one of those. Integers, bool, complex and quantised payloads
+// (float8, float4, e8m0 scales) keep their type. A target outside that set is refused: a cast
+// to int8 or float8 without scales turns weights into zeros and saturated values.
+bool castable(at::ScalarType type) {
+  return type == at::kHalf || type == at::kBFloat16 || type == at::kFloat || type == at::kDouble;
+}
+
+void check_cast_target(std::optional<at::ScalarType> dtype) {
+  if (!dtype || castable(*dtype)) return;
+  const std::string name = "torch." + std::string(c10::getDtypeNames(*dtype).first);
+  TORCH_CHECK(false, "fastsafetensors: dtype=", name,
+              " is not supported: dtype= casts floating-point tensors (F16, BF16, F32, F64) to torch.float16, "
+              "torch.bfloat16, torch.float32 or torch.float64 and leaves the others as stored; convert to ",
+              name, " yourself (tensor.to(", name, ")) if that is what you want");
+}
+
+// The cast runs where the tensor is: on the GPU for device loads.
 at::Tensor cast(at::Tensor t, std::optional<at::ScalarType> dtype) {
   const auto type = t.scalar_type();
-  const bool castable = type == at::kHalf || type == at::kBFloat16 || type == at::kFloat || type == at::kDouble;
-  return dtype && castable && type != *dtype ? t.to(*dtype) : t;
+  return dtype && castable(type) && type != *dtype ? t.to(*dtype) : t;
+}
+
+// The device a load targets: "cpu" or "cuda[:N]"; anything else is refused in one line.
+c10::Device target_device(const std::string& device) {
+  std::optional<c10::Device> target;
+  try {
+    target.emplace(device);
+  } catch (const c10::Error&) {
+    TORCH_CHECK(false, "fastsafetensors: cannot load to device '", device,
+                "': not a device name (use 'cpu', 'cuda' or 'cuda:N')");
+  }
+  TORCH_CHECK(target->is_cpu() || target->is_cuda(), "fastsafetensors: cannot load to device '", device,
+              "' (only cpu and cuda)");
+  // torch accepts "cpu:1" but there is one CPU device; safetensors refuses it too.
+  TORCH_CHECK(!target->is_cpu() || target->index() <= 0, "fastsafetensors: cannot load to device '", device,
+              "': there is one CPU device, 'cpu'");
+  return *target;
 }
 
 ::rust::Vec<::rust::String> to_rust(const std::vector<std::string>& strings) {
@@ -172,30 +214,110 @@ rs::TensorSelection selection(const std::optional<std::vector<std::string>>& ten
   return out;
 }
 
-NamedTensors named(std::vector<std::string> names, std::vector<at::Tensor> tensors) {
-  return {std::move(names), std::move(tensors)};
+const rs::TensorSelection& everything() {
+  static const rs::TensorSelection all{false, {}, ::rust::String("glob")};
+  return all;
 }
 
-TensorDict to_dict(NamedTensors&& loaded) {
-  auto& [names, tensors] = loaded;
+TensorDict to_dict(NamedTensors&& named) {
+  auto& [names, tensors] = named;
   TensorDict out;
   out.reserve(names.size());
   for (size_t i = 0; i < names.size(); ++i) out.insert(std::move(names[i]), std::move(tensors[i]));
   return out;
 }
 
-// Wraps every tensor of `specs`, whose buffers are `buffers`, in order.
-template <class Specs>
-NamedTensors wrap_all(const Specs& specs, const std::vector<Buffer>& buffers, std::optional<at::ScalarType> dtype) {
+NamedTensors from_dict(const TensorDict& dict) {
+  NamedTensors out;
+  for (const auto& entry : dict) {
+    std::get<0>(out).push_back(entry.key());
+    std::get<1>(out).push_back(entry.value());
+  }
+  return out;
+}
+
+// One buffer's tensors as first wrapped: views of the buffer, unless marked otherwise.
+struct BufferTensors {
   std::vector<std::string> names;
   std::vector<at::Tensor> tensors;
-  names.reserve(specs.size());
-  tensors.reserve(specs.size());
-  for (const auto& spec : specs) {
+  std::vector<bool> views;  // shares the buffer (else: copied, or empty)
+
+  void add(const rs::TensorSpec& spec, at::Tensor tensor) {
     names.emplace_back(spec.name.data(), spec.name.size());
-    tensors.push_back(cast(wrap_host(spec, *buffers[spec.buffer]), dtype));
+    tensors.push_back(std::move(tensor));
+    views.push_back(spec.aligned && spec.nbytes > 0);
   }
-  return named(std::move(names), std::move(tensors));
+};
+
+// Adds a buffer's tensors to `out`, cast to `dtype` where the cast rule says so. A buffer
+// outlives the call only if every tensor in it is still a view of it: once one was cast, the
+// others are copied out (when `release` allows), so that the whole buffer is freed as soon
+// as the caller drops its own reference, instead of staying alive for a few small uncast
+// tensors beside the cast copies.
+void add_buffer(BufferTensors&& buffer, std::optional<at::ScalarType> dtype, bool release, NamedTensors& out) {
+  auto& [names, tensors] = out;
+  std::vector<at::Tensor> results;
+  results.reserve(buffer.tensors.size());
+  bool any_cast = false;
+  for (const auto& t : buffer.tensors) {
+    results.push_back(cast(t, dtype));
+    any_cast = any_cast || !results.back().is_same(t);
+  }
+  for (size_t k = 0; k < results.size(); ++k) {
+    if (any_cast && release && buffer.views[k] && results[k].is_same(buffer.tensors[k])) {
+      results[k] = results[k].clone();
+    }
+    names.push_back(std::move(buffer.names[k]));
+    tensors.push_back(std::move(results[k]));
+  }
+}
+
+// A zero-copy mapping holds page cache, not memory of its own: its views stay views.
+bool is_mapping(std::string_view read_path) { return read_path == "mmap" || read_path == "mmap-fallback"; }
+
+// Host buffers and their tensors as first wrapped, before any cast.
+struct Wrapped {
+  std::vector<Buffer> buffers;
+  std::vector<bool> mapped;
+  std::vector<BufferTensors> by_buffer;
+  size_t count = 0;
+
+  void push(::rust::Box<rs::BufferRef> ref, bool is_mapped) {
+    buffers.push_back(SharedBuffer::take(std::move(ref)));
+    mapped.push_back(is_mapped);
+    by_buffer.emplace_back();
+  }
+
+  template <class Specs>
+  void add_tensors(const Specs& specs) {
+    for (const auto& spec : specs) {
+      by_buffer[spec.buffer].add(spec, wrap_host(spec, *buffers[spec.buffer]));
+    }
+    count += specs.size();
+  }
+
+  // The tensors, cast, in read order. The loader's own references must be gone by now, so
+  // that a buffer whose tensors were all cast or copied out is freed here.
+  NamedTensors finish(std::optional<at::ScalarType> dtype) && {
+    NamedTensors out;
+    std::get<0>(out).reserve(count);
+    std::get<1>(out).reserve(count);
+    for (size_t i = 0; i < by_buffer.size(); ++i) {
+      add_buffer(std::move(by_buffer[i]), dtype, !mapped[i], out);
+      buffers[i].reset();
+    }
+    return out;
+  }
+};
+
+// Wraps the tensors of `loaded`, whose read paths are `read_paths`.
+Wrapped wrap_loaded(const rs::LoadedFiles& loaded, const std::vector<std::string>& read_paths) {
+  Wrapped w;
+  for (size_t i = 0; i < loaded.buffer_count(); ++i) {
+    w.push(loaded.buffer(i), is_mapping(read_paths[loaded.buffer_file(i)]));
+  }
+  w.add_tensors(loaded.tensors());
+  return w;
 }
 
 std::tuple<NamedTensors, std::vector<std::string>> load_to_host(const std::vector<std::string>& files,
@@ -203,19 +325,47 @@ std::tuple<NamedTensors, std::vector<std::string>> load_to_host(const std::vecto
                                                                 const rs::TensorSelection& chosen,
                                                                 std::optional<at::ScalarType> dtype) {
   auto paths = to_rust(files);
-  auto loaded = call_rust([&] { return rs::load_files(paths, reader, chosen); });
-  std::vector<Buffer> buffers;
-  buffers.reserve(loaded->buffer_count());
-  for (size_t i = 0; i < loaded->buffer_count(); ++i) {
-    buffers.push_back(SharedBuffer::take(loaded->buffer(i)));
-  }
-  return {wrap_all(loaded->tensors(), buffers, dtype), from_rust(loaded->read_paths())};
+  auto planned = call_rust([&] { return rs::plan_files(paths, chosen); });
+  check_torch_types(planned->tensors());
+  std::vector<std::string> read_paths;
+  Wrapped wrapped;
+  {
+    auto loaded = call_rust([&] { return rs::read_to_host(std::move(planned), reader); });
+    read_paths = from_rust(loaded->read_paths());
+    wrapped = wrap_loaded(*loaded, read_paths);
+  }  // From here on, only the tensors and `wrapped` keep the buffers' memory.
+  return {std::move(wrapped).finish(dtype), std::move(read_paths)};
 }
 
-Loaded load_to_cuda(const std::vector<std::string>& files, const c10::Device& target,
-                    const std::string& reader, std::optional<at::ScalarType> dtype,
-                    std::optional<bool> nogds) {
-  // Our own check first: a clear error, at once, on machines without a driver or device.
+// Torch's CUDA hooks, reached through the device-guard registry: the extension links none of
+// torch's CUDA libraries, so that it still loads under a CPU-only torch.
+const c10::impl::DeviceGuardImplInterface& cuda_hooks() {
+  return *c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+}
+
+// An event recorded on torch's current stream of a device once the file buffers are
+// allocated: the caching allocator may hand out memory that work queued there still uses,
+// so the loader orders its copies after it. Destroyed with this object.
+class ReadyEvent {
+ public:
+  explicit ReadyEvent(const c10::Device& device) : index_(device.index()) {
+    const auto& hooks = cuda_hooks();
+    hooks.record(&event_, hooks.getStream(device), index_, c10::EventFlag::PYTORCH_DEFAULT);
+  }
+  ReadyEvent(const ReadyEvent&) = delete;
+  ReadyEvent& operator=(const ReadyEvent&) = delete;
+  ~ReadyEvent() {
+    if (event_ != nullptr) cuda_hooks().destroyEvent(event_, index_);
+  }
+  uint64_t handle() const { return reinterpret_cast<uint64_t>(event_); }
+
+ private:
+  c10::DeviceIndex index_;
+  void* event_ = nullptr;
+};
+
+// Our own check first: a clear error, at once, on machines without a driver or device.
+void check_cuda(const c10::Device& target) {
   size_t devices = 0;
   try {
     devices = rs::cuda_device_count();
@@ -223,25 +373,59 @@ Loaded load_to_cuda(const std::vector<std::string>& files, const c10::Device& ta
     TORCH_CHECK(false, "fastsafetensors: cannot load to ", target.str(), ": ", e.what());
   }
   TORCH_CHECK(devices > 0, "fastsafetensors: cannot load to ", target.str(), ": CUDA: no CUDA device is visible");
+}
+
+std::tuple<NamedTensors, std::vector<std::string>> load_to_cuda(const std::vector<std::string>& files,
+                                                                const c10::Device& target, const std::string& reader,
+                                                                std::optional<at::ScalarType> dtype,
+                                                                std::optional<bool> nogds) {
+  check_cuda(target);
   auto paths = to_rust(files);
-  auto planned = call_rust([&] { return rs::plan_files(paths); });
-  // Destination memory comes from torch's caching allocator, so torch's memory statistics
-  // (which vLLM sizes its KV cache from) count it.
-  std::vector<at::Tensor> buffers;
-  ::rust::Vec<uint64_t> destinations;
-  for (size_t i = 0; i < planned->file_count(); ++i) {
-    const auto len = static_cast<int64_t>(planned->device_len(i));
-    buffers.push_back(at::empty({len}, at::TensorOptions(at::kByte).device(target)));
-    destinations.push_back(reinterpret_cast<uint64_t>(buffers.back().data_ptr()));
-  }
-  const int ordinal = buffers.empty() ? std::max<int>(target.index(), 0) : buffers.front().device().index();
+  auto planned = call_rust([&] { return rs::plan_files(paths, everything()); });
+  check_torch_types(planned->tensors());
+  // Plain "cuda" is torch's current device, also when there is nothing to load.
+  const c10::Device device = target.has_index() ? target : cuda_hooks().getDevice();
   const int32_t gds = nogds.has_value() ? static_cast<int32_t>(*nogds) : -1;
-  auto read_paths = call_rust([&] { return planned->copy_to_cuda(ordinal, destinations, reader, gds); });
-  TensorDict tensors;
-  for (const auto& spec : planned->tensors()) {
-    tensors.insert(std::string(spec.name), cast(wrap_device(spec, buffers[spec.buffer]), dtype));
+  const size_t count = planned->file_count();
+  // Without a cast every tensor stays a view of its file's buffer, and all files are read in
+  // one go, overlapping. With one, file by file: each file's buffer is freed (its tensors
+  // cast or copied out) before the next one is allocated.
+  std::vector<std::vector<size_t>> groups(dtype && count > 0 ? count : 1);
+  for (size_t i = 0; i < count; ++i) groups[dtype ? i : 0].push_back(i);
+  std::vector<BufferTensors> by_file(count);
+  std::vector<std::string> read_paths(count);
+  NamedTensors tensors;
+  for (const auto& group : groups) {
+    // Destination memory comes from torch's caching allocator, so torch's memory statistics
+    // (which vLLM sizes its KV cache from) count it.
+    std::vector<at::Tensor> buffers;
+    ::rust::Vec<size_t> indices;
+    ::rust::Vec<uint64_t> bases;
+    for (const size_t i : group) {
+      const auto len = static_cast<int64_t>(planned->device_alloc_len(i));
+      buffers.push_back(at::empty({len}, at::TensorOptions(at::kByte).device(device)));
+      indices.push_back(i);
+      bases.push_back(reinterpret_cast<uint64_t>(buffers.back().data_ptr()));
+    }
+    std::optional<ReadyEvent> ready;
+    if (!group.empty()) ready.emplace(device);
+    const auto copies = call_rust([&] {
+      return planned->copy_to_cuda(device.index(), indices, bases, reader, gds, ready ? ready->handle() : 0);
+    });
+    ready.reset();
+    for (size_t k = 0; k < group.size(); ++k) {
+      read_paths[group[k]] = std::string(copies[k].path);
+    }
+    for (const auto& spec : planned->tensors()) {
+      const auto k = std::find(group.begin(), group.end(), spec.buffer);
+      if (k == group.end()) continue;
+      const auto at = static_cast<size_t>(k - group.begin());
+      by_file[spec.buffer].add(spec, wrap_device(spec, buffers[at], static_cast<int64_t>(copies[at].offset)));
+    }
+    buffers.clear();  // From here on, only the tensors keep the files' memory.
+    for (const size_t i : group) add_buffer(std::move(by_file[i]), dtype, true, tensors);
   }
-  return {std::move(tensors), from_rust(read_paths)};
+  return {std::move(tensors), std::move(read_paths)};
 }
 
 // The selected tensors of `files` on `device`, in read order, and how each file was read.
@@ -249,26 +433,21 @@ std::tuple<std::vector<std::string>, std::vector<at::Tensor>, std::vector<std::s
     std::vector<std::string> files, std::string device, std::optional<at::ScalarType> dtype,
     std::optional<std::string> reader, std::optional<bool> nogds,
     std::optional<std::vector<std::string>> tensor_filter, std::string tensor_name_match_mode) {
-  const c10::Device target(device);
-  TORCH_CHECK(target.is_cpu() || target.is_cuda(), "fastsafetensors: cannot load to device '", device,
-              "' (only cpu and cuda)");
-  const auto chosen = selection(tensor_filter, tensor_name_match_mode);
-  if (target.is_cuda() && !tensor_filter) {
-    auto [dict, read_paths] = load_to_cuda(files, target, reader.value_or(""), dtype, nogds);
-    std::vector<std::string> names;
-    std::vector<at::Tensor> tensors;
-    for (const auto& entry : dict) {
-      names.push_back(entry.key());
-      tensors.push_back(entry.value());
-    }
-    return {std::move(names), std::move(tensors), std::move(read_paths)};
+  const auto target = target_device(device);
+  check_cast_target(dtype);
+  std::tuple<NamedTensors, std::vector<std::string>> loaded;
+  if (target.is_cpu()) {
+    loaded = load_to_host(files, reader.value_or(""), selection(tensor_filter, tensor_name_match_mode), dtype);
+  } else if (!tensor_filter) {
+    loaded = load_to_cuda(files, target, reader.value_or(""), dtype, nogds);
+  } else {
+    // A selection on CUDA: only the selected bytes are read, into host memory, then copied.
+    check_cuda(target);
+    loaded = load_to_host(files, reader.value_or(""), selection(tensor_filter, tensor_name_match_mode), std::nullopt);
+    for (auto& t : std::get<1>(std::get<0>(loaded))) t = cast(t.to(target), dtype);
   }
-  // A selection on CUDA: only the selected bytes are read, into host memory, then copied.
-  auto [loaded, read_paths] = load_to_host(files, reader.value_or(""), chosen, target.is_cuda() ? std::nullopt : dtype);
-  auto& [names, tensors] = loaded;
-  if (target.is_cuda()) {
-    for (auto& t : tensors) t = cast(t.to(target), dtype);
-  }
+  auto& [named_tensors, read_paths] = loaded;
+  auto& [names, tensors] = named_tensors;
   return {std::move(names), std::move(tensors), std::move(read_paths)};
 }
 
@@ -277,7 +456,7 @@ Loaded load_with_report(std::vector<std::string> files, std::string device, std:
                         std::optional<std::vector<std::string>> tensor_filter, std::string tensor_name_match_mode) {
   auto [names, tensors, read_paths] = load_named(std::move(files), std::move(device), dtype, std::move(reader), nogds,
                                                  std::move(tensor_filter), std::move(tensor_name_match_mode));
-  return {to_dict(named(std::move(names), std::move(tensors))), std::move(read_paths)};
+  return {to_dict(NamedTensors{std::move(names), std::move(tensors)}), std::move(read_paths)};
 }
 
 TensorDict load(std::vector<std::string> files, std::string device, std::optional<at::ScalarType> dtype,
@@ -291,12 +470,17 @@ TensorDict load(std::vector<std::string> files, std::string device, std::optiona
 at::Tensor load_rows(std::string file, std::string name, int64_t start, int64_t stop, std::optional<std::string> reader) {
   TORCH_CHECK(start >= 0 && stop >= 0, "fastsafetensors: rows [", start, ", ", stop, ") of '", name,
               "': negative row index");
-  auto loaded = call_rust([&] {
-    return rs::load_rows(file, name, static_cast<uint64_t>(start), static_cast<uint64_t>(stop), reader.value_or(""));
-  });
-  std::vector<Buffer> buffers;
-  for (size_t i = 0; i < loaded->buffer_count(); ++i) buffers.push_back(SharedBuffer::take(loaded->buffer(i)));
-  auto [names, tensors] = wrap_all(loaded->tensors(), buffers, std::nullopt);
+  std::vector<std::string> read_paths;
+  Wrapped wrapped;
+  {
+    auto loaded = call_rust([&] {
+      return rs::load_rows(file, name, static_cast<uint64_t>(start), static_cast<uint64_t>(stop), reader.value_or(""));
+    });
+    check_torch_types(loaded->tensors());
+    read_paths = from_rust(loaded->read_paths());
+    wrapped = wrap_loaded(*loaded, read_paths);
+  }
+  auto tensors = std::get<1>(std::move(wrapped).finish(std::nullopt));
   TORCH_CHECK(tensors.size() == 1, "fastsafetensors: internal error: ", tensors.size(), " tensors for one row range");
   return tensors.front();
 }
@@ -321,17 +505,18 @@ class TensorStream : public torch::CustomClassHolder {
   std::optional<NamedTensors> next() {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!call_rust([&] { return stream_->next_group(); })) return std::nullopt;
-    std::vector<Buffer> buffer;
-    buffer.push_back(SharedBuffer::take(call_rust([&] { return stream_->group_buffer(); })));
-    auto group = wrap_all(stream_->group_tensors(), buffer, target_.is_cuda() ? std::nullopt : dtype_);
-    if (target_.is_cuda()) {
-      for (auto& t : std::get<1>(group)) t = cast(t.to(target_), dtype_);
-    }
+    check_torch_types(stream_->group_tensors());
+    Wrapped wrapped;
+    wrapped.push(call_rust([&] { return stream_->group_buffer(); }), is_mapping(view_str(stream_->group_read_path())));
+    wrapped.add_tensors(stream_->group_tensors());
+    if (!target_.is_cuda()) return std::move(wrapped).finish(dtype_);
+    auto group = std::move(wrapped).finish(std::nullopt);
+    for (auto& t : std::get<1>(group)) t = cast(t.to(target_), dtype_);
     return group;
   }
 
   // How the last group was read: "direct", "buffered", "mmap" or "mmap-fallback" ("" before
-  // the first), and the index of its file (-1 before the first).
+  // the first), and the index (-1 before the first) and path of its file.
   std::string read_path() {
     std::lock_guard<std::mutex> lock(mutex_);
     return std::string(stream_->group_read_path());
@@ -342,10 +527,17 @@ class TensorStream : public torch::CustomClassHolder {
     return stream_->group_file();
   }
 
+  std::string file_path() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return std::string(stream_->group_path());
+  }
+
   int64_t tensor_count() { return static_cast<int64_t>(stream_->tensor_count()); }
   int64_t byte_count() { return static_cast<int64_t>(stream_->byte_count()); }
 
  private:
+  static std::string_view view_str(::rust::Str s) { return {s.data(), s.size()}; }
+
   std::mutex mutex_;
   ::rust::Box<rs::TensorStream> stream_;
   c10::Device target_;
@@ -357,9 +549,9 @@ c10::intrusive_ptr<TensorStream> open_stream(std::vector<std::string> files, std
                                              std::optional<std::vector<std::string>> tensor_filter,
                                              std::string tensor_name_match_mode,
                                              std::optional<std::string> max_memory) {
-  const c10::Device target(device);
-  TORCH_CHECK(target.is_cpu() || target.is_cuda(), "fastsafetensors: cannot load to device '", device,
-              "' (only cpu and cuda)");
+  const auto target = target_device(device);
+  check_cast_target(dtype);
+  if (target.is_cuda()) check_cuda(target);
   auto paths = to_rust(files);
   const auto chosen = selection(tensor_filter, tensor_name_match_mode);
   auto stream =
@@ -393,6 +585,23 @@ describe(std::string file) {
   return {std::move(names), std::move(dtypes), std::move(shapes), metadata_of(h)};
 }
 
+// Frees the pinned staging buffers kept for later CUDA loads; returns how many were freed.
+int64_t release_staging_buffers() { return static_cast<int64_t>(rs::release_staging_buffers()); }
+
+std::string check_device(std::string device) {
+  return target_device(device).str();
+}
+
+// The files `path` (a file, checkpoint directory or index) stands for, the index they come
+// from, and every problem between them and the index.
+std::tuple<std::vector<std::string>, std::optional<std::string>, std::vector<std::string>> checkpoint(
+    std::string path) {
+  const auto c = call_rust([&] { return rs::checkpoint(path); });
+  std::optional<std::string> index;
+  if (!c.index.empty()) index = std::string(c.index);
+  return {from_rust(c.files), index, from_rust(c.problems)};
+}
+
 double resident_fraction(std::string file) {
   return call_rust([&] { return rs::resident_fraction(file); });
 }
@@ -414,6 +623,7 @@ TORCH_LIBRARY(fastsafetensors, m) {
       .def("next", &TensorStream::next)
       .def("read_path", &TensorStream::read_path)
       .def("file_index", &TensorStream::file_index)
+      .def("file_path", &TensorStream::file_path)
       .def("tensor_count", &TensorStream::tensor_count)
       .def("byte_count", &TensorStream::byte_count);
   m.def(
@@ -434,7 +644,10 @@ TORCH_LIBRARY(fastsafetensors, m) {
       " -> __torch__.torch.classes.fastsafetensors.TensorStream");
   m.def("selected(str[] files, str[]? tensor_filter=None, str tensor_name_match_mode=\"glob\") -> str[]");
   m.def("keys(str file) -> str[]");
+  m.def("check_device(str device) -> str");
+  m.def("checkpoint(str path) -> (str[] files, str? index, str[] problems)");
   m.def("resident_fraction(str file) -> float");
+  m.def("release_staging_buffers() -> int");
   m.def("metadata(str file) -> Dict(str, str)?");
   m.def("describe(str file) -> (str[] names, str[] dtypes, int[][] shapes, Dict(str, str)? metadata)");
 }
@@ -447,7 +660,10 @@ TORCH_LIBRARY_IMPL(fastsafetensors, CompositeExplicitAutograd, m) {
   m.impl("open_stream", TORCH_FN(open_stream));
   m.impl("selected", TORCH_FN(selected));
   m.impl("keys", TORCH_FN(keys));
+  m.impl("check_device", TORCH_FN(check_device));
+  m.impl("checkpoint", TORCH_FN(checkpoint));
   m.impl("resident_fraction", TORCH_FN(resident_fraction));
+  m.impl("release_staging_buffers", TORCH_FN(release_staging_buffers));
   m.impl("metadata", TORCH_FN(metadata));
   m.impl("describe", TORCH_FN(describe));
 }

@@ -79,6 +79,18 @@ VALID = {
     "whitespace-padding": text("  {}  \n\t"),
     "deep-unknown-field": text('{"a":{"dtype":"U8","shape":[0],"data_offsets":[0,0],"x":' + "[" * 300 + "]" * 300 + "}}"),
     "unknown-field": text('{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"extra":[1,{"x":null}]}}', 1),
+    # A 640-byte header: its length opens with 80 02, as a pickle does.
+    "pickle-like-length": text("{" + " " * 638 + "}"),
+}
+
+# Files of other formats, named in the error instead of "header length ... exceeds the limit".
+FOREIGN = {
+    "torch-zip": b"PK\x03\x04\x00\x00\x08\x08\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00"
+                 b"\x00\x00\x00\x00\x00\x00\x10\x00\x12\x00archive/data.pklFB\x0e\x00ZZZZ",
+    "torch-pickle": b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19.\x80\x02M\xe9\x03.\x80\x02}q\x00(X\x10\x00\x00\x00",
+    "json-index": b'{\n  "metadata": {\n    "total_size": 16\n  },\n  "weight_map": {\n    "w": "model.safetensors"\n  }\n}\n',
+    "lfs-pointer": b"version https://git-lfs.github.com/spec/v1\noid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\nsize 548105171\n",
+    "text": b"These are not the weights you are looking for.\n",
 }
 
 INVALID = {
@@ -173,7 +185,8 @@ def write(target: str, seeds: dict):
 
 
 def main():
-    files = {**{f"valid-{k}": v for k, v in VALID.items()}, **{f"invalid-{k}": v for k, v in INVALID.items()}}
+    files = {**{f"valid-{k}": v for k, v in VALID.items()}, **{f"invalid-{k}": v for k, v in INVALID.items()},
+             **{f"invalid-foreign-{k}": v for k, v in FOREIGN.items()}}
     for target in ("parse", "load", "differential"):
         write(target, files)
     write("place", place_seeds())

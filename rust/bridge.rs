@@ -7,24 +7,23 @@
 #![allow(clippy::ptr_arg)]
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use crate::cuda::cufile::{self, CuFileLibrary};
-use crate::cuda::driver::{self, Context};
-use crate::device::CudaDevice;
+use crate::checkpoint::{self, Checkpoint};
+use crate::cuda::driver::{self, RawEvent};
 use crate::error::{Error, Result};
 use crate::gds::GdsMode;
-use crate::io::{budget, HostBuffer, ReaderKind, SourceFile};
-use crate::loader::{self, DeviceOptions, LoadOptions, Loaded, Planned};
+use crate::io::{self, budget, HostBuffer, ReaderKind, SourceFile};
+use crate::loader::{self, DeviceOptions, DeviceTarget, LoadOptions, Loaded, Planned};
 use crate::plan::{self, Placement};
 use crate::select::{MatchMode, RowRange, Selection, TensorFilter};
 use crate::stream::{self, Group, StreamOptions};
 
 #[cxx::bridge(namespace = "fastsafetensors::rs")]
 mod ffi {
-    /// One tensor: `nbytes` at `offset` in the buffer of file `buffer`, with its safetensors
-    /// dtype name.
+    /// One tensor: `nbytes` at `offset` in buffer `buffer` (a file's, or for loaded tensors
+    /// one extent's), with its safetensors dtype name.
     struct TensorSpec {
         name: String,
         dtype: String,
@@ -34,6 +33,20 @@ mod ffi {
         nbytes: usize,
         /// False when the data is not aligned to its element size and must be copied.
         aligned: bool,
+    }
+
+    /// How a file reached the device, and where in its allocation its byte 0 landed.
+    struct FileCopy {
+        path: String,
+        offset: usize,
+    }
+
+    /// The files a path given to a load stands for, and what is wrong with them.
+    struct CheckpointSpec {
+        files: Vec<String>,
+        /// The index the files come from; empty if none.
+        index: String,
+        problems: Vec<String>,
     }
 
     /// Which tensors a load reads.
@@ -67,33 +80,44 @@ mod ffi {
         /// A reference on one file's host buffer; the buffer is freed when the last drops.
         type BufferRef;
 
-        /// Opens `paths` and validates their headers (no data is read).
-        fn plan_files(paths: &Vec<String>) -> Result<Box<PlannedFiles>>;
+        /// Opens `paths`, validates their headers and keeps the tensors `selection` picks (no
+        /// data is read). Tensor buffers are files; offsets are file offsets.
+        fn plan_files(paths: &Vec<String>, selection: &TensorSelection) -> Result<Box<PlannedFiles>>;
         fn tensors(self: &PlannedFiles) -> &Vec<TensorSpec>;
         fn file_count(self: &PlannedFiles) -> usize;
-        /// Bytes of device memory file `index` needs.
-        fn device_len(self: &PlannedFiles, index: usize) -> usize;
-        /// Fills device memory `dsts[i]` with file i on CUDA device `ordinal`; returns how
-        /// each file was read. `nogds`: -1 unset (auto), 0 false (require GDS), 1 true.
+        /// Bytes of device memory to allocate for file `index`.
+        fn device_alloc_len(self: &PlannedFiles, index: usize) -> usize;
+        /// Reads file `files[i]` into the allocation at device address `bases[i]` on CUDA
+        /// device `ordinal`; returns how each was read and where its byte 0 landed. `nogds`:
+        /// -1 unset (auto), 0 false (require GDS), 1 true. `ready`: a CUevent recorded on
+        /// torch's current stream after the allocations (0: none); the copies come after it.
         fn copy_to_cuda(
             self: &PlannedFiles,
             ordinal: usize,
-            dsts: &Vec<u64>,
+            files: &Vec<usize>,
+            bases: &Vec<u64>,
             reader: &str,
             nogds: i32,
-        ) -> Result<Vec<String>>;
+            ready: u64,
+        ) -> Result<Vec<FileCopy>>;
+        /// Frees the pinned staging buffers kept for later CUDA loads; returns how many.
+        fn release_staging_buffers() -> usize;
 
-        /// Loads the selected tensors of `paths` into host memory with `reader` ("auto",
-        /// "direct", "mmap", or "" for the default).
-        fn load_files(paths: &Vec<String>, reader: &str, selection: &TensorSelection) -> Result<Box<LoadedFiles>>;
+        /// Reads the planned tensors into host memory with `reader` ("auto", "direct", "mmap",
+        /// or "" for the default): each file's selected byte ranges, as few buffers (extents).
+        fn read_to_host(planned: Box<PlannedFiles>, reader: &str) -> Result<Box<LoadedFiles>>;
         /// Loads rows `[start, stop)` of tensor `name` of `path` into host memory, reading
         /// only their bytes.
         fn load_rows(path: &str, name: &str, start: u64, stop: u64, reader: &str) -> Result<Box<LoadedFiles>>;
+        /// The tensors: buffers are those of `buffer()`, offsets are within them.
         fn tensors(self: &LoadedFiles) -> &Vec<TensorSpec>;
-        /// How each file was read: "direct", "buffered" or "mmap".
+        /// How each file was read: "direct", "buffered", "mmap", "mmap-fallback" (mapped: direct
+        /// reads would not fit in host memory) or "none" (nothing selected in it).
         fn read_paths(self: &LoadedFiles) -> Vec<String>;
         fn buffer_count(self: &LoadedFiles) -> usize;
         fn buffer(self: &LoadedFiles, index: usize) -> Box<BufferRef>;
+        /// Index of the file buffer `index` holds bytes of.
+        fn buffer_file(self: &LoadedFiles, index: usize) -> usize;
         /// Address of the first byte of the buffer.
         fn address(self: &BufferRef) -> usize;
 
@@ -115,8 +139,10 @@ mod ffi {
         /// How the current group was read: "direct", "buffered", "mmap" or "mmap-fallback" (""
         /// before the first).
         fn group_read_path(self: &TensorStream) -> &str;
-        /// Index in `paths` of the file of the current group (-1 before the first).
+        /// Index of the file of the current group among the files `paths` stand for (-1
+        /// before the first), and its path.
         fn group_file(self: &TensorStream) -> i64;
+        fn group_path(self: &TensorStream) -> String;
         /// Tensors and bytes of tensor data the stream hands out in all.
         fn tensor_count(self: &TensorStream) -> usize;
         fn byte_count(self: &TensorStream) -> u64;
@@ -127,10 +153,13 @@ mod ffi {
         fn read_header(path: &str) -> Result<HeaderSpec>;
         /// Fraction of the file's pages in the page cache (what `auto` decides by).
         fn resident_fraction(path: &str) -> Result<f64>;
+        /// The files `path` (a file, checkpoint directory or index) stands for, with every
+        /// problem found in their headers against each other and the index.
+        fn checkpoint(path: &str) -> Result<CheckpointSpec>;
     }
 }
 
-use ffi::{HeaderSpec, MetadataEntry, TensorSelection, TensorSpec};
+use ffi::{CheckpointSpec, FileCopy, HeaderSpec, MetadataEntry, TensorSelection, TensorSpec};
 
 pub struct PlannedFiles {
     planned: Planned,
@@ -207,25 +236,22 @@ fn reader_kind(reader: &str) -> Result<ReaderKind> {
     ReaderKind::resolve(Some(reader).filter(|r| !r.is_empty()))
 }
 
+/// Every load starts here: settings checked, paths resolved to files (directories and
+/// indexes expanded), headers validated, and the tensors checked against any index.
 fn plan(paths: &[String]) -> Result<Planned> {
-    loader::plan_files(&paths.iter().map(PathBuf::from).collect::<Vec<_>>())
+    io::check_env()?;
+    let checkpoints = checkpoint::resolve_all(&paths.iter().map(PathBuf::from).collect::<Vec<_>>())?;
+    let planned = loader::plan_files(&checkpoint::files(&checkpoints))?;
+    checkpoint::check_placed(&checkpoints, &planned.tensors)?;
+    Ok(planned)
 }
 
-fn plan_files(paths: &Vec<String>) -> Result<Box<PlannedFiles>> {
+fn plan_files(paths: &Vec<String>, selection: &TensorSelection) -> Result<Box<PlannedFiles>> {
     guard(|| {
-        let planned = plan(paths)?;
+        let planned = plan(paths)?.select(&selection.to_selection()?)?;
         let specs = specs(&planned.tensors)?;
         Ok(Box::new(PlannedFiles { planned, specs }))
     })
-}
-
-/// cuFile, opened once per process, or why it cannot be used.
-fn cufile_library(gds: GdsMode) -> std::result::Result<&'static CuFileLibrary, &'static str> {
-    static LIBRARY: OnceLock<std::result::Result<CuFileLibrary, String>> = OnceLock::new();
-    if gds == GdsMode::Auto && !cufile::nvidia_fs_loaded() {
-        return Err("the nvidia-fs driver is not loaded");
-    }
-    LIBRARY.get_or_init(CuFileLibrary::open).as_ref().map_err(String::as_str)
 }
 
 impl PlannedFiles {
@@ -237,36 +263,50 @@ impl PlannedFiles {
         self.planned.sources.len()
     }
 
-    fn device_len(&self, index: usize) -> usize {
-        self.planned.device_len(index) as usize
+    fn device_alloc_len(&self, index: usize) -> usize {
+        self.planned.device_alloc_len(index) as usize
     }
 
-    fn copy_to_cuda(&self, ordinal: usize, dsts: &Vec<u64>, reader: &str, nogds: i32) -> Result<Vec<String>> {
+    #[allow(clippy::too_many_arguments)]
+    fn copy_to_cuda(
+        &self,
+        ordinal: usize,
+        files: &Vec<usize>,
+        bases: &Vec<u64>,
+        reader: &str,
+        nogds: i32,
+        ready: u64,
+    ) -> Result<Vec<FileCopy>> {
         guard(|| {
+            if files.len() != bases.len() {
+                return Err(Error::InvalidArgument(format!("{} allocations for {} files", bases.len(), files.len())));
+            }
             let gds = GdsMode::from_nogds(match nogds {
                 0 => Some(false),
                 1 => Some(true),
                 _ => None,
             });
             let options = DeviceOptions { reader: reader_kind(reader)?, gds, ..DeviceOptions::default() };
-            let ctx = Context::primary(ordinal)?;
-            // The destination came from torch's caching allocator: work torch queued on it
-            // before it was freed and handed to us may still be running.
-            ctx.synchronize()?;
-            let device = CudaDevice::new(ctx)?;
-            // cuFile is opened only now that a context exists on a real device.
-            let cufile = if gds == GdsMode::Never { Err("disabled (nogds=True)") } else { cufile_library(gds) };
-            let paths = self.planned.copy_to_device(&device, cufile, dsts, &options)?;
-            device.synchronize()?;
-            Ok(paths.into_iter().map(|p| p.name().to_owned()).collect())
+            let targets: Vec<_> = files.iter().zip(bases).map(|(&file, &base)| DeviceTarget { file, base }).collect();
+            // SAFETY: the extension keeps the event alive until this call returns.
+            let ready = (ready != 0).then(|| unsafe { RawEvent::from_raw(ready) });
+            let copies = self.planned.copy_to_cuda(ordinal, &targets, &options, ready)?;
+            Ok(copies
+                .into_iter()
+                .map(|c| FileCopy { path: c.path.name().to_owned(), offset: c.offset as usize })
+                .collect())
         })
     }
 }
 
-fn load_files(paths: &Vec<String>, reader: &str, selection: &TensorSelection) -> Result<Box<LoadedFiles>> {
+fn release_staging_buffers() -> usize {
+    guard(|| Ok(loader::release_staging_buffers())).unwrap_or(0)
+}
+
+fn read_to_host(planned: Box<PlannedFiles>, reader: &str) -> Result<Box<LoadedFiles>> {
     guard(|| {
         let options = LoadOptions { reader: reader_kind(reader)?, ..LoadOptions::default() };
-        let loaded = plan(paths)?.select(&selection.to_selection()?)?.read_to_host(&options)?;
+        let loaded = planned.planned.read_to_host(&options)?;
         let specs = loaded_specs(&loaded)?;
         Ok(Box::new(LoadedFiles { loaded, specs }))
     })
@@ -277,6 +317,7 @@ fn load_rows(path: &str, name: &str, start: u64, stop: u64, reader: &str) -> Res
         let options = LoadOptions { reader: reader_kind(reader)?, ..LoadOptions::default() };
         let exact = TensorFilter::new(MatchMode::Exact, &[name])?;
         let selection = Selection { filter: Some(exact), rows: vec![RowRange { name: name.to_owned(), start, stop }] };
+        checkpoint::check_single_file(Path::new(path))?;
         let loaded = plan(&[path.to_owned()])?.select(&selection)?.read_to_host(&options)?;
         let specs = loaded_specs(&loaded)?;
         Ok(Box::new(LoadedFiles { loaded, specs }))
@@ -338,6 +379,10 @@ impl TensorStream {
         self.group.as_ref().map_or(-1, |g| g.file as i64)
     }
 
+    fn group_path(&self) -> String {
+        self.group.as_ref().map_or_else(String::new, |g| self.stream.path(g.file).display().to_string())
+    }
+
     fn tensor_count(&self) -> usize {
         self.stream.tensor_count()
     }
@@ -363,6 +408,10 @@ impl LoadedFiles {
     fn buffer(&self, index: usize) -> Box<BufferRef> {
         Box::new(BufferRef(Arc::clone(&self.loaded.buffers[index])))
     }
+
+    fn buffer_file(&self, index: usize) -> usize {
+        self.loaded.extents[index].file
+    }
 }
 
 impl BufferRef {
@@ -379,9 +428,22 @@ fn resident_fraction(path: &str) -> Result<f64> {
     guard(|| SourceFile::open(std::path::Path::new(path))?.resident_fraction())
 }
 
+fn checkpoint(path: &str) -> Result<CheckpointSpec> {
+    guard(|| {
+        let c = Checkpoint::resolve(Path::new(path))?;
+        let report = c.report_path().display().to_string();
+        Ok(CheckpointSpec {
+            files: c.files.iter().map(|f| f.display().to_string()).collect(),
+            index: c.index.as_ref().map(|i| i.path.display().to_string()).unwrap_or_default(),
+            problems: c.survey().iter().map(|p| format!("{report}: {p}")).collect(),
+        })
+    })
+}
+
 fn read_header(path: &str) -> Result<HeaderSpec> {
     guard(|| {
         let path = PathBuf::from(path);
+        checkpoint::check_single_file(&path)?;
         let header = loader::read_header(&path)?;
         let placements = plan::place(std::slice::from_ref(&path), std::slice::from_ref(&header))?;
         Ok(HeaderSpec {

@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 
+use crate::checkpoint::Problem;
 use crate::format::FormatError;
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -24,6 +25,24 @@ pub enum Error {
     /// The file's size or modification time changed while it was being loaded.
     #[error("{}: file changed while it was being loaded ({len} bytes when opened, {now} now); load it again once it is complete", .path.display())]
     Changed { path: PathBuf, len: u64, now: u64 },
+    /// A single-file operation (`safe_open`, `keys`, `metadata`) was given a directory.
+    #[error("{}: is a directory, but safe_open, keys() and metadata() read one .safetensors file: pass one of its files, or load the whole checkpoint with load()/load_file()", .path.display())]
+    IsDirectory { path: PathBuf },
+    /// A directory given to a load holds no `*.safetensors` file and no index.
+    #[error("{}: no *.safetensors files and no *.safetensors.index.json in this directory (subdirectories are not searched)", .dir.display())]
+    NoCheckpointFiles { dir: PathBuf },
+    /// A directory given to a load holds several indexes, so which checkpoint is meant is unclear.
+    #[error("{}: holds several checkpoint indexes ({}): pass the one to load instead of the directory", .dir.display(), .names.join(", "))]
+    SeveralIndexes { dir: PathBuf, names: Vec<String> },
+    /// A checkpoint index cannot be read as one.
+    #[error("{}: not a safetensors checkpoint index: {reason}", .path.display())]
+    InvalidIndex { path: PathBuf, reason: String },
+    /// A checkpoint's files disagree with its index or with each other.
+    #[error("{}: {problem}{}", .path.display(), more_problems(*.more, .path))]
+    Checkpoint { path: PathBuf, problem: Problem, more: usize },
+    /// An environment setting of the loader is malformed.
+    #[error("{var}='{value}' is not valid: expected {expected} (or unset it for the default)")]
+    InvalidSetting { var: &'static str, value: String, expected: &'static str },
     /// The load would allocate more host memory than allowed or available.
     #[error("loading needs {needed} bytes of host memory but {limit} bytes are {why}; set FASTSAFETENSORS_MAX_HOST_MEMORY (e.g. 64G) or load fewer files at once")]
     OutOfMemory { needed: u64, limit: u64, why: &'static str },
@@ -61,6 +80,13 @@ fn missing_message(names: &[String], files: &[PathBuf]) -> String {
     }
     let (count, noun) = (names.len(), if names.len() == 1 { "tensor" } else { "tensors" });
     format!("tensor_filter names {count} {noun} that are in none of the files ({where_}): {}", listed.join(", "))
+}
+
+fn more_problems(more: usize, path: &std::path::Path) -> String {
+    match more {
+        0 => String::new(),
+        n => format!(" (and {n} more; `python -m fastsafetensors_rs verify {}` lists them all)", path.display()),
+    }
 }
 
 impl Error {

@@ -19,6 +19,10 @@ pub const MAX_HEADER_LEN: u64 = 100_000_000;
 /// Bytes of the little-endian header length that opens every file.
 pub const LEN_PREFIX: u64 = 8;
 
+/// Bytes at the start of a file that [`header_len`] looks at to say what a file that is not
+/// a safetensors file is instead (enough for the longest signature, a Git LFS pointer's).
+pub const SNIFF_LEN: usize = 64;
+
 /// The reserved header key for free-form string metadata.
 const METADATA_KEY: &str = "__metadata__";
 
@@ -28,8 +32,11 @@ pub enum FormatError {
     /// The file cannot even hold the 8-byte header length.
     #[error("file is {0} bytes, too small for the 8-byte header length")]
     FileTooSmall(u64),
+    /// The file starts like another format (a PyTorch checkpoint, JSON, text, ...).
+    #[error("not a safetensors file: {0}")]
+    NotSafetensors(Foreign),
     /// The header length exceeds [`MAX_HEADER_LEN`].
-    #[error("header length {0} exceeds the limit of {MAX_HEADER_LEN} bytes")]
+    #[error("header length {0} exceeds the limit of {MAX_HEADER_LEN} bytes (not a safetensors file, or its first 8 bytes are damaged)")]
     HeaderTooLarge(u64),
     /// The header length points past the end of the file.
     #[error("header length {len} runs past the end of the file ({file_len} bytes)")]
@@ -219,18 +226,123 @@ impl Header {
     }
 }
 
+/// What a file that is not a safetensors file is, judged from its first bytes.
+///
+/// Only files whose header length is already impossible are judged ([`header_len`]), so a
+/// valid safetensors file can never be mistaken for one of these.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Foreign {
+    /// A zip archive: what `torch.save` writes (`.bin`, `.pt`, `.pth` since PyTorch 1.6).
+    TorchZip,
+    /// A pickle: what `torch.save` wrote before it used zip archives.
+    TorchPickle,
+    /// A Git LFS pointer: a repository cloned without fetching its large files.
+    LfsPointer,
+    /// JSON text, e.g. a checkpoint index (`model.safetensors.index.json`) or a config.
+    Json,
+    /// Other text.
+    Text,
+    /// A GGUF file (llama.cpp).
+    Gguf,
+    /// An HDF5 file (e.g. a Keras `.h5` checkpoint).
+    Hdf5,
+    /// A NumPy `.npy` array.
+    Numpy,
+    /// gzip-compressed data.
+    Gzip,
+}
+
+impl Foreign {
+    /// The format `prefix` (the first bytes of a file, of which [`SNIFF_LEN`] are looked at)
+    /// starts like, if any.
+    pub fn sniff(prefix: &[u8]) -> Option<Foreign> {
+        let p = &prefix[..prefix.len().min(SNIFF_LEN)];
+        // A pickle opens with PROTO (0x80) and its protocol, gzip with 1f 8b 08: read as a
+        // header length, those bytes can also open a damaged safetensors file, so they count
+        // only when the length they make is impossible.
+        let impossible_len =
+            p.len() >= LEN_PREFIX as usize && u64::from_le_bytes(p[..8].try_into().expect("8 bytes")) > MAX_HEADER_LEN;
+        let magic: [(&[u8], Foreign); 5] = [
+            (b"PK\x03\x04", Foreign::TorchZip),
+            (b"PK\x05\x06", Foreign::TorchZip), // an empty archive
+            (b"GGUF", Foreign::Gguf),
+            (b"\x89HDF\r\n\x1a\n", Foreign::Hdf5),
+            (b"\x93NUMPY", Foreign::Numpy),
+        ];
+        if let Some(&(_, found)) = magic.iter().find(|(m, _)| p.starts_with(m)) {
+            return Some(found);
+        }
+        if impossible_len && p[0] == 0x80 && (2..=5).contains(&p[1]) {
+            return Some(Foreign::TorchPickle);
+        }
+        if impossible_len && p.starts_with(b"\x1f\x8b\x08") {
+            return Some(Foreign::Gzip);
+        }
+        let text = as_text(p)?;
+        Some(if text.starts_with("version https://git-lfs.github.com/spec/") {
+            Foreign::LfsPointer
+        } else if text.trim_start_matches(|c: char| c.is_whitespace() || c == '\u{feff}').starts_with(['{', '[']) {
+            Foreign::Json
+        } else {
+            Foreign::Text
+        })
+    }
+}
+
+/// `bytes` as text: UTF-8 (a character cut off at the end allowed) without control
+/// characters other than whitespace. A safetensors file never starts like this: its header
+/// length has zero bytes.
+fn as_text(bytes: &[u8]) -> Option<&str> {
+    let text = match std::str::from_utf8(bytes) {
+        Ok(text) => text,
+        Err(e) if e.error_len().is_none() => std::str::from_utf8(&bytes[..e.valid_up_to()]).ok()?,
+        Err(_) => return None,
+    };
+    let printable = text.chars().all(|c| !c.is_control() || matches!(c, '\t' | '\n' | '\r' | '\x0c'));
+    (printable && !text.is_empty()).then_some(text)
+}
+
+impl fmt::Display for Foreign {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        const CONVERT: &str = "load it with torch.load, or convert it to .safetensors (safetensors.torch.save_file)";
+        match self {
+            Foreign::TorchZip => write!(f, "it looks like a PyTorch zip checkpoint (torch.save); {CONVERT}"),
+            Foreign::TorchPickle => {
+                write!(f, "it looks like a PyTorch pickle checkpoint (torch.save, legacy format); {CONVERT}")
+            }
+            Foreign::LfsPointer => {
+                f.write_str("it is a Git LFS pointer, not the data: fetch the file itself (git lfs pull)")
+            }
+            Foreign::Json => f.write_str(
+                "it is JSON text. A checkpoint index (*.safetensors.index.json) loads with load()/load_file() \
+                 (pass the index or its directory); safe_open opens one of the shards it lists",
+            ),
+            Foreign::Text => f.write_str("it is text"),
+            Foreign::Gguf => f.write_str("it is a GGUF file (llama.cpp)"),
+            Foreign::Hdf5 => f.write_str("it is an HDF5 file (e.g. a Keras .h5 checkpoint)"),
+            Foreign::Numpy => f.write_str("it is a NumPy .npy file"),
+            Foreign::Gzip => f.write_str("it is gzip-compressed; decompress it first"),
+        }
+    }
+}
+
 /// Reads the header length from the first bytes of a file of `file_len` bytes and checks it
 /// against the limit and the file size. Returns the header length N (the JSON is bytes 8..8+N).
+///
+/// `prefix` holds at least the first 8 bytes (all of them for a shorter file); given up to
+/// [`SNIFF_LEN`] bytes, an impossible length is reported as [`FormatError::NotSafetensors`]
+/// where the file starts like another format.
 pub fn header_len(prefix: &[u8], file_len: u64) -> Result<u64, FormatError> {
+    let or_foreign = |e: FormatError| Foreign::sniff(prefix).map_or(e, FormatError::NotSafetensors);
     if file_len < LEN_PREFIX || prefix.len() < LEN_PREFIX as usize {
-        return Err(FormatError::FileTooSmall(file_len));
+        return Err(or_foreign(FormatError::FileTooSmall(file_len)));
     }
     let len = u64::from_le_bytes(prefix[..8].try_into().expect("8 bytes"));
     if len > MAX_HEADER_LEN {
-        return Err(FormatError::HeaderTooLarge(len));
+        return Err(or_foreign(FormatError::HeaderTooLarge(len)));
     }
     if len > file_len - LEN_PREFIX {
-        return Err(FormatError::HeaderPastEnd { len, file_len });
+        return Err(or_foreign(FormatError::HeaderPastEnd { len, file_len }));
     }
     Ok(len)
 }
@@ -614,6 +726,83 @@ mod tests {
             assert_eq!(h.tensors[0].nbytes(), d.bits(), "{d}");
         }
         assert_eq!(Dtype::from_name("f32"), None);
+    }
+
+    fn not_safetensors(file: &[u8]) -> Option<Foreign> {
+        match parse(file) {
+            Err(FormatError::NotSafetensors(found)) => Some(found),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn torch_checkpoints_are_named() {
+        // The first bytes of torch.save's zip archive and of its legacy pickle format.
+        let zip = b"PK\x03\x04\x00\x00\x08\x08\x00\x00\x00\x00\x00\x00archive/data.pkl";
+        assert_eq!(not_safetensors(zip), Some(Foreign::TorchZip));
+        let pickle = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19.\x80\x02}q\x00";
+        assert_eq!(not_safetensors(pickle), Some(Foreign::TorchPickle));
+        assert_eq!(not_safetensors(b"\x80\x04\x95\x1c\x01\x00\x00\x00\x00\x00\x00}\x94"), Some(Foreign::TorchPickle));
+        let msg = parse(pickle).unwrap_err().to_string();
+        assert!(
+            msg.starts_with("not a safetensors file: it looks like a PyTorch pickle checkpoint (torch.save"),
+            "{msg}"
+        );
+        assert!(msg.contains("torch.load"), "{msg}");
+    }
+
+    #[test]
+    fn text_files_are_named() {
+        let index = b"{\n  \"metadata\": {\n    \"total_size\": 16\n  },\n  \"weight_map\": {\"w\": \"model.safetensors\"}\n}\n";
+        assert_eq!(not_safetensors(index), Some(Foreign::Json));
+        assert!(parse(index).unwrap_err().to_string().contains("load()/load_file()"));
+        assert_eq!(not_safetensors(b"\xef\xbb\xbf  [1, 2, 3]"), Some(Foreign::Json));
+        let lfs = b"version https://git-lfs.github.com/spec/v1\noid sha256:4d7a2146\nsize 548105171\n";
+        assert_eq!(not_safetensors(lfs), Some(Foreign::LfsPointer));
+        assert_eq!(not_safetensors(b"hello, world\n"), Some(Foreign::Text));
+        assert_eq!(not_safetensors("poids du modèle: é".as_bytes()), Some(Foreign::Text));
+        // Short files too, and a multi-byte character cut off by the sniffing window.
+        assert_eq!(not_safetensors(b"{}\n"), Some(Foreign::Json));
+        let mut long = vec![b'a'; SNIFF_LEN - 1];
+        long.extend_from_slice("é and more".as_bytes());
+        assert_eq!(not_safetensors(&long), Some(Foreign::Text));
+    }
+
+    #[test]
+    fn other_formats_are_named() {
+        assert_eq!(not_safetensors(b"GGUF\x03\x00\x00\x00\x10\x00\x00\x00"), Some(Foreign::Gguf));
+        assert_eq!(not_safetensors(b"\x89HDF\r\n\x1a\n\x00\x00\x00\x00"), Some(Foreign::Hdf5));
+        assert_eq!(not_safetensors(b"\x93NUMPY\x01\x00v\x00{'descr'"), Some(Foreign::Numpy));
+        assert_eq!(not_safetensors(b"\x1f\x8b\x08\x00\x12\x34\x56\x78\x00\x03"), Some(Foreign::Gzip));
+    }
+
+    #[test]
+    fn unknown_bytes_keep_the_length_error() {
+        let binary = [0xde, 0xad, 0xbe, 0xef, 0x01, 0x02, 0x03, 0x04, 0x00];
+        assert_eq!(parse(&binary), Err(FormatError::HeaderTooLarge(0x0403_0201_efbe_adde)));
+        assert!(parse(&binary)
+            .unwrap_err()
+            .to_string()
+            .contains("not a safetensors file, or its first 8 bytes are damaged"));
+        // Control characters are not text.
+        assert_eq!(not_safetensors(b"abc\x01defghij"), None);
+        assert_eq!(parse(&[]), Err(FormatError::FileTooSmall(0)));
+    }
+
+    #[test]
+    fn a_possible_header_length_is_never_called_a_pickle() {
+        // 0x280 = 640: the bytes a pickle opens with, but also a plausible header length.
+        let mut f = vec![0x80, 0x02, 0, 0, 0, 0, 0, 0];
+        f.extend_from_slice(b"{}");
+        assert_eq!(parse(&f), Err(FormatError::HeaderPastEnd { len: 640, file_len: 10 }));
+        // And a valid file whose header is 640 bytes long parses.
+        let json = format!("{{{}}}", " ".repeat(638));
+        let valid = file(&json, 0);
+        assert_eq!(&valid[..2], &[0x80, 0x02]);
+        assert!(parse(&valid).is_ok());
+        // Same for gzip's 1f 8b 08 with a zero timestamp.
+        let f = [0x1f, 0x8b, 0x08, 0, 0, 0, 0, 0, b'{', b'}'];
+        assert!(matches!(parse(&f), Err(FormatError::HeaderPastEnd { .. })));
     }
 
     #[test]

@@ -16,13 +16,14 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::cuda::cufile::CuFileApi;
-use crate::device::StagingDevice;
+use crate::cuda::cufile::{self, CuFileApi};
+use crate::cuda::driver::{Context, RawEvent};
+use crate::device::{CudaDevice, Device};
 use crate::error::{Error, Result};
 use crate::format::Header;
-use crate::gds::{self, GdsMode, GdsOptions};
+use crate::gds::{self, GdsFile, GdsMode, GdsOptions, GdsOutcome};
 use crate::io::direct::{self, BlockReader};
-use crate::io::{budget, HostBuffer, HostRead, ReadPath, ReaderKind, SourceFile};
+use crate::io::{self, budget, HostBuffer, HostRead, ReadPath, ReaderKind, SourceFile};
 use crate::plan::{self, Extent, ExtentPolicy, Placement, IO_ALIGN};
 use crate::select::Selection;
 use crate::staged::{self, StagedFile, StagingOptions};
@@ -184,7 +185,7 @@ impl Planned {
         let buffers = if readers.iter().all(Option::is_none) {
             extents.iter().map(read).collect::<Result<Vec<_>>>()
         } else {
-            crate::io::io_pool().install(|| extents.par_iter().map(read).collect::<Result<Vec<_>>>())
+            io::io_pool().install(|| extents.par_iter().map(read).collect::<Result<Vec<_>>>())
         }?;
         let mut paths = vec![ReadPath::NotRead; self.sources.len()];
         for (e, b) in extents.iter().zip(&buffers) {
@@ -203,47 +204,76 @@ impl Planned {
         plan::align_up(self.sources[i].len, IO_ALIGN)
     }
 
-    /// Copies file `i` to device address `dsts[i]` (`device_len(i)` bytes there), through
-    /// GPUDirect Storage where `options.gds` and `cufile` allow, else staged through `device`.
-    /// `cufile` is the opened library, or why it is not available.
-    pub fn copy_to_device<D: StagingDevice, A: CuFileApi>(
+    /// Bytes of device memory to allocate for file `i`: `device_len(i)` and room to start it
+    /// at an aligned address whatever the allocation's alignment.
+    pub fn device_alloc_len(&self, i: usize) -> u64 {
+        self.device_len(i) + IO_ALIGN
+    }
+
+    /// Copies each target's file into its allocation (`device_alloc_len` bytes at `base`),
+    /// through GPUDirect Storage where `options.gds` and `cufile` allow, else staged through
+    /// `device`. `cufile` is the opened library, or why it is not available. Returns, per
+    /// target, how the file was read and where in the allocation its byte 0 landed.
+    pub fn copy_to_device<D: Device, A: CuFileApi>(
         &self,
         device: &D,
         cufile: std::result::Result<&A, &str>,
-        dsts: &[u64],
+        targets: &[DeviceTarget],
         options: &DeviceOptions,
-    ) -> Result<Vec<ReadPath>> {
-        if dsts.len() != self.sources.len() {
-            return Err(Error::InvalidArgument(format!(
-                "{} destinations for {} files",
-                dsts.len(),
-                self.sources.len()
-            )));
+    ) -> Result<Vec<DeviceCopy>> {
+        if let Some(t) = targets.iter().find(|t| t.file >= self.sources.len()) {
+            return Err(Error::InvalidArgument(format!("no file {} (of {})", t.file, self.sources.len())));
         }
-        let mut paths: Vec<Option<ReadPath>> = vec![None; self.sources.len()];
-        if options.gds != GdsMode::Never {
-            for (i, src) in self.sources.iter().enumerate() {
-                let outcome =
-                    cufile.map_err(str::to_owned).and_then(|api| gds::read_file(api, src, dsts[i], &options.gds_io));
-                match outcome {
-                    Ok(()) => paths[i] = Some(ReadPath::Gds),
-                    Err(reason) if options.gds == GdsMode::Require => {
-                        return Err(Error::GdsRequired { path: src.path.clone(), reason })
+        // Each file starts at the first 4 KiB boundary in its allocation: cuFile registers
+        // only aligned ranges without bouncing, and tensors keep the alignment the file gives.
+        let dsts: Vec<u64> = targets.iter().map(|t| t.base.next_multiple_of(IO_ALIGN)).collect();
+        let mut paths: Vec<Option<ReadPath>> = vec![None; targets.len()];
+        if options.gds != GdsMode::Never && !targets.is_empty() {
+            let first = &self.sources[targets[0].file].path;
+            match cufile {
+                Err(reason) if options.gds == GdsMode::Require => {
+                    return Err(Error::GdsRequired { path: first.clone(), reason: reason.to_owned() })
+                }
+                Err(reason) => gds_fallback_notice(reason),
+                // Compatibility mode reads through host memory like the staged path, but one
+                // request at a time and without overlapping the copies: only when asked for.
+                Ok(api) if api.compat_mode() && options.gds == GdsMode::Auto => {
+                    gds_fallback_notice("cuFile runs in compatibility mode")
+                }
+                Ok(api) => {
+                    let how = if api.compat_mode() { ReadPath::GdsCompat } else { ReadPath::Gds };
+                    let files: Vec<_> = targets
+                        .iter()
+                        .zip(&dsts)
+                        .map(|(t, &dst)| GdsFile { src: &self.sources[t.file], dst })
+                        .collect();
+                    let outcomes = gds::read_files(device, api, &files, &options.gds_io);
+                    let failure = files.iter().zip(&outcomes).find_map(|(f, o)| match o {
+                        GdsOutcome::Failed(reason) => Some((f.src.path.clone(), reason.clone())),
+                        _ => None,
+                    });
+                    match failure {
+                        Some((path, reason)) if options.gds == GdsMode::Require => {
+                            return Err(Error::GdsRequired { path, reason })
+                        }
+                        Some((_, reason)) => gds_fallback_notice(&reason),
+                        None => {}
                     }
-                    Err(reason) => {
-                        gds_fallback_notice(&reason);
-                        break;
+                    for (path, outcome) in paths.iter_mut().zip(&outcomes) {
+                        if *outcome == GdsOutcome::Read {
+                            *path = Some(how);
+                        }
                     }
                 }
             }
         }
-        let staged_files = self
-            .sources
+        let staged_files = targets
             .iter()
-            .zip(dsts)
+            .zip(&dsts)
             .zip(&paths)
             .filter(|(_, done)| done.is_none())
-            .map(|((src, &dst), _)| {
+            .map(|((t, &dst), _)| {
+                let src = &self.sources[t.file];
                 let direct = match options.reader {
                     ReaderKind::Direct => true,
                     ReaderKind::Mmap => false,
@@ -253,12 +283,61 @@ impl Planned {
             })
             .collect::<Result<Vec<_>>>()?;
         let mut staged_paths = staged::copy_files(device, &staged_files, &options.staging)?.into_iter();
-        self.sources.iter().try_for_each(SourceFile::check_unchanged)?;
+        targets.iter().try_for_each(|t| self.sources[t.file].check_unchanged())?;
         Ok(paths
             .into_iter()
-            .map(|p| p.unwrap_or_else(|| staged_paths.next().expect("one path per staged file")))
+            .zip(targets.iter().zip(&dsts))
+            .map(|(p, (t, &dst))| DeviceCopy {
+                path: p.unwrap_or_else(|| staged_paths.next().expect("one path per staged file")),
+                offset: dst - t.base,
+            })
             .collect())
     }
+
+    /// [`Planned::copy_to_device`] on CUDA device `ordinal`. `ready` is an event recorded on
+    /// torch's current stream after the destinations were allocated: the copies are ordered
+    /// after it (torch's caching allocator may hand out memory that work queued on that
+    /// stream still uses). The calling thread's current context is left as it was.
+    pub fn copy_to_cuda(
+        &self,
+        ordinal: usize,
+        targets: &[DeviceTarget],
+        options: &DeviceOptions,
+        ready: Option<RawEvent>,
+    ) -> Result<Vec<DeviceCopy>> {
+        let ctx = Context::primary(ordinal)?;
+        if targets.is_empty() {
+            return Ok(Vec::new());
+        }
+        let device = CudaDevice::new(ctx, ready)?;
+        let cufile = match options.gds {
+            GdsMode::Never => Err("disabled (nogds=True)"),
+            // cuFile is opened only now that a context exists on a real device.
+            gds => device.with_current(|| cufile::shared(gds))?,
+        };
+        // Every copy has completed when this returns, on success and on error: the ring
+        // drains its slots, and cuFile reads are synchronous.
+        self.copy_to_device(&device, cufile, targets, options)
+    }
+}
+
+/// Where a file goes: an allocation of `device_alloc_len(file)` bytes at device address `base`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceTarget {
+    pub file: usize,
+    pub base: u64,
+}
+
+/// How a file reached the device, and where its byte 0 is: `base + offset`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceCopy {
+    pub path: ReadPath,
+    pub offset: u64,
+}
+
+/// Frees the pinned staging buffers kept for later CUDA loads; returns how many there were.
+pub fn release_staging_buffers() -> usize {
+    crate::device::release_cuda_staging()
 }
 
 /// Makes the direct reads of a load fit the host-memory limit. With the `auto` reader, files

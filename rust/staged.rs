@@ -2,15 +2,23 @@
 //!
 //! Reader threads fill a ring of staging buffers (pinned memory on CUDA) with blocks of the
 //! files and hand each to the device for an asynchronous copy as soon as it is full, so disk
-//! reads overlap with host-to-device copies. A buffer is refilled only once its previous copy
-//! has completed. Staging memory is bounded: at most `slots` buffers of `block` bytes,
-//! allocated as the reads need them.
+//! reads overlap with host-to-device copies. The ring is first in, first out: a reader takes
+//! the buffer whose copy was queued longest ago, so it rarely waits, and every slot is used.
+//! Staging memory is bounded (at most `slots` buffers of `block` bytes per load) and comes
+//! from the device's pool, to which it returns after the load: pinned allocation is slow and
+//! synchronizes.
+//!
+//! Whatever happens — a failed read, copy, event record or wait, or a panic in a worker —
+//! every buffer is waited for before it is reused, returned or freed, and the device memory
+//! is not written once the load has returned: the ring drains every slot when dropped, and
+//! synchronizes the stream after any error.
 
+use std::collections::VecDeque;
 use std::sync::{Condvar, Mutex};
 
 use rayon::prelude::*;
 
-use crate::device::StagingDevice;
+use crate::device::Device;
 use crate::error::Result;
 use crate::io::direct::BlockReader;
 use crate::io::{io_pool, ReadPath, SourceFile};
@@ -28,7 +36,7 @@ pub struct StagedFile<'a> {
 pub struct StagingOptions {
     /// Bytes per read and per copy.
     pub block: u64,
-    /// Most staging buffers alive at once.
+    /// Most staging buffers in use at once by one load.
     pub slots: usize,
 }
 
@@ -38,13 +46,10 @@ impl Default for StagingOptions {
     }
 }
 
-/// Copies every file to its device destination. Returns how each file was read. When this
-/// returns, every copy it started has completed, whether it succeeded or not.
-pub fn copy_files<D: StagingDevice>(
-    device: &D,
-    files: &[StagedFile],
-    options: &StagingOptions,
-) -> Result<Vec<ReadPath>> {
+/// Copies every file to its device destination, ordered after the destination's previous
+/// work. Returns how each file was read. When this returns (or unwinds), every copy it
+/// started has completed, whether it succeeded or not.
+pub fn copy_files<D: Device>(device: &D, files: &[StagedFile], options: &StagingOptions) -> Result<Vec<ReadPath>> {
     let block = plan::io_block(options.block);
     let readers = files.iter().map(|f| BlockReader::open(f.src, f.direct)).collect::<Result<Vec<_>>>()?;
     let jobs: Vec<_> = files
@@ -52,62 +57,146 @@ pub fn copy_files<D: StagingDevice>(
         .enumerate()
         .flat_map(|(i, f)| plan::read_blocks(f.src.len, IO_ALIGN, block).into_iter().map(move |b| (i, b)))
         .collect();
-    let ring = Ring::new(options.slots.clamp(1, jobs.len().max(1)));
-
+    if jobs.is_empty() {
+        return Ok(readers.iter().map(BlockReader::path).collect());
+    }
+    device.order_after_ready()?;
+    let ring = Ring::new(device, options.slots.clamp(1, jobs.len()), block as usize);
     let copied = io_pool().install(|| {
         jobs.par_iter().try_for_each(|&(i, b)| {
-            let mut staging = ring.take(|| device.alloc_staging(block as usize))?;
-            let result = device
-                .wait(&mut staging)
-                .and_then(|()| readers[i].read(&b, device.bytes(&mut staging)))
-                .and_then(|()| device.copy_async(&mut staging, b.expected as usize, files[i].dst + b.offset));
-            ring.give(staging);
-            result
+            let mut slot = ring.take()?;
+            device.wait(slot.staging())?;
+            readers[i].read(&b, device.bytes(slot.staging()))?;
+            device.copy_async(slot.staging(), b.expected as usize, files[i].dst + b.offset)
         })
     });
-    // Every copy must be complete before the staging memory is freed or the tensors used.
-    let drained = ring.into_inner().iter_mut().try_for_each(|s| device.wait(s));
+    let drained = ring.drain(copied.is_err());
     copied?;
     drained?;
     Ok(readers.iter().map(BlockReader::path).collect())
 }
 
-/// The staging buffers not in use, and how many more may be allocated.
-struct Ring<S> {
-    state: Mutex<(Vec<S>, usize)>,
+/// The staging buffers of one load: those not in use, first in first out, and how many more
+/// may be brought in (from the pool, or allocated).
+struct Ring<'d, D: Device> {
+    device: &'d D,
+    len: usize,
+    state: Mutex<RingState<D::Staging>>,
     returned: Condvar,
 }
 
-impl<S> Ring<S> {
-    fn new(capacity: usize) -> Ring<S> {
-        Ring { state: Mutex::new((Vec::with_capacity(capacity), capacity)), returned: Condvar::new() }
+struct RingState<S> {
+    free: VecDeque<S>,
+    /// Buffers this load may still bring in.
+    more: usize,
+    drained: bool,
+}
+
+impl<'d, D: Device> Ring<'d, D> {
+    fn new(device: &'d D, slots: usize, len: usize) -> Ring<'d, D> {
+        let state = RingState { free: VecDeque::with_capacity(slots), more: slots, drained: false };
+        Ring { device, len, state: Mutex::new(state), returned: Condvar::new() }
     }
 
-    /// A free buffer, a new one while under capacity, or the next one returned.
-    fn take(&self, alloc: impl FnOnce() -> Result<S>) -> Result<S> {
+    /// A buffer for the next block: a new one while fewer than `slots` are in the ring (so
+    /// that every slot is in use before any is reused), else the one returned longest ago.
+    fn take(&self) -> Result<Slot<'_, 'd, D>> {
         let mut state = self.state.lock().unwrap();
         loop {
-            if let Some(s) = state.0.pop() {
-                return Ok(s);
-            }
-            if state.1 > 0 {
-                state.1 -= 1;
+            if state.more > 0 {
+                state.more -= 1;
                 drop(state);
-                return alloc().inspect_err(|_| {
-                    self.state.lock().unwrap().1 += 1;
-                    self.returned.notify_one();
-                });
+                return match self.bring_in() {
+                    Ok(staging) => Ok(Slot { ring: self, staging: Some(staging) }),
+                    Err(e) => {
+                        let mut state = self.state.lock().unwrap();
+                        state.more += 1;
+                        self.returned.notify_one();
+                        Err(e)
+                    }
+                };
+            }
+            if let Some(staging) = state.free.pop_front() {
+                return Ok(Slot { ring: self, staging: Some(staging) });
             }
             state = self.returned.wait(state).unwrap();
         }
     }
 
-    fn give(&self, s: S) {
-        self.state.lock().unwrap().0.push(s);
+    /// A buffer from the device's pool (large enough), or a new one.
+    fn bring_in(&self) -> Result<D::Staging> {
+        while let Some(staging) = self.device.pool().take() {
+            if self.device.staging_len(&staging) >= self.len {
+                return Ok(staging);
+            }
+        }
+        self.device.alloc_staging(self.len)
+    }
+
+    fn give(&self, staging: D::Staging) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.free.push_back(staging);
         self.returned.notify_one();
     }
 
-    fn into_inner(self) -> Vec<S> {
-        self.state.into_inner().unwrap().0
+    /// Waits for every buffer's last copy, synchronizing the stream if anything failed, then
+    /// returns the buffers to the pool. Once drained, the ring is empty.
+    fn drain(&self, failed: bool) -> Result<()> {
+        // Never panics, even on a poisoned lock: it also runs while unwinding.
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if state.drained {
+            return Ok(());
+        }
+        state.drained = true;
+        // Every worker has finished, normally or by unwinding (rayon joins every job before
+        // it propagates a panic, and a slot gives its buffer back when dropped): all buffers
+        // are in `free`.
+        let mut buffers: Vec<_> = state.free.drain(..).collect();
+        drop(state);
+        let mut first_error = None;
+        for staging in &mut buffers {
+            if let Err(e) = self.device.wait(staging) {
+                first_error.get_or_insert(e);
+            }
+        }
+        if failed || first_error.is_some() {
+            if let Err(e) = self.device.synchronize() {
+                // Whether the copies out of these buffers are done cannot be known: keep the
+                // memory rather than free it under a running copy.
+                std::mem::forget(buffers);
+                return Err(first_error.unwrap_or(e));
+            }
+        }
+        for staging in buffers {
+            self.device.pool().put(staging);
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+}
+
+impl<D: Device> Drop for Ring<'_, D> {
+    fn drop(&mut self) {
+        // Reached without `drain` only when unwinding from a panic in a worker.
+        let _ = self.drain(true);
+    }
+}
+
+/// A buffer taken from the ring; given back when dropped, also when a worker panics.
+struct Slot<'r, 'd, D: Device> {
+    ring: &'r Ring<'d, D>,
+    staging: Option<D::Staging>,
+}
+
+impl<D: Device> Slot<'_, '_, D> {
+    fn staging(&mut self) -> &mut D::Staging {
+        self.staging.as_mut().expect("a slot holds its buffer until dropped")
+    }
+}
+
+impl<D: Device> Drop for Slot<'_, '_, D> {
+    fn drop(&mut self) {
+        if let Some(staging) = self.staging.take() {
+            self.ring.give(staging);
+        }
     }
 }

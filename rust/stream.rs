@@ -181,6 +181,11 @@ impl TensorStream {
         })
     }
 
+    /// The path of file `index`.
+    pub fn path(&self, index: usize) -> &std::path::Path {
+        &self.sources[index].path
+    }
+
     /// Tensors the stream hands out in all.
     pub fn tensor_count(&self) -> usize {
         self.tensors

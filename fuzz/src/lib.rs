@@ -29,8 +29,9 @@ pub const MAX_FILES: usize = 8;
 pub fn check_parse(file: &[u8]) -> Result<Header, FormatError> {
     let file_len = file.len() as u64;
     let parsed = format::parse(file);
-    // The reader sees only the first 8 bytes, then the header bytes.
-    let prefix = &file[..file.len().min(LEN_PREFIX as usize)];
+    // The reader sees only the first SNIFF_LEN bytes (the length, and what a file of
+    // another format starts with), then the header bytes.
+    let prefix = &file[..file.len().min(format::SNIFF_LEN)];
     let stepwise = format::header_len(prefix, file_len).and_then(|n| {
         let json = &file[LEN_PREFIX as usize..(LEN_PREFIX + n) as usize];
         format::parse_header(json, file_len)

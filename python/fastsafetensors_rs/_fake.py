@@ -2,9 +2,9 @@
 can trace code that calls the ops without reading any tensor data.
 
 `fastsafetensors::load` has no tensor inputs: its outputs follow from the files' headers
-alone. The fake kernel reads each header with `describe` (a few KiB, no data) and returns
-empty tensors of the shapes and dtypes `load` would return, on the requested device, with
-the same `dtype=` casting rule. `keys`, `metadata` and `describe` return no tensors and run
+alone. The fake kernel resolves directories and indexes as `load` does, reads each header
+with `describe` (a few KiB, no data) and returns empty tensors of the shapes and dtypes
+`load` would return, on the requested device, with the same `dtype=` and device rules. `keys`, `metadata` and `describe` return no tensors and run
 as they are under fake modes. `load_with_report` has no fake kernel: how each file will be
 read (its second output) is decided at run time and cannot be known from the headers.
 
@@ -20,7 +20,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ._dtypes import CASTABLE, DTYPES, torch_shape
+from ._dtypes import CASTABLE, DTYPES, cast_dtype, torch_shape
 from ._ops import ops
 
 __all__ = ["register_fake_kernels"]
@@ -31,14 +31,24 @@ _registered = False
 
 
 def _target_device(device: str) -> torch.device:
-    target = torch.device(device)
-    if target.type not in ("cpu", "cuda"):
-        raise RuntimeError(f"fastsafetensors: cannot load to device '{device}' (only cpu and cuda)")
+    target = torch.device(ops.check_device(device))  # the real op's rule and errors
     if target.type == "cuda" and target.index is None:
         # The real op loads to the current device.
         index = torch.cuda.current_device() if torch.cuda.is_available() else 0
         target = torch.device("cuda", index)
     return target
+
+
+def _files_of(paths: List[str]) -> List[str]:
+    """The files `paths` (files, checkpoint directories, indexes) stand for, as the real op
+    resolves them, failing on the first problem it would fail on."""
+    files: List[str] = []
+    for path in paths:
+        found, _, problems = ops.checkpoint(path)
+        if problems:
+            raise RuntimeError(problems[0])
+        files.extend(found)
+    return files
 
 
 def fake_load(
@@ -52,11 +62,15 @@ def fake_load(
 ) -> Dict[str, torch.Tensor]:
     """What `fastsafetensors::load` returns, as empty tensors derived from the headers."""
     target = _target_device(device)
+    try:
+        dtype = cast_dtype(dtype)
+    except ValueError as e:  # raised as the real op raises it
+        raise RuntimeError(f"fastsafetensors: {e}") from None
     # The loader's own selection, from the headers alone.
     selected = None if tensor_filter is None else set(ops.selected(files, tensor_filter, tensor_name_match_mode))
     out: Dict[str, torch.Tensor] = {}
     origin: Dict[str, str] = {}
-    for path in files:
+    for path in _files_of(files):
         names, dtypes, shapes, _ = ops.describe(path)  # header only; validates it
         for name, st_dtype, shape in zip(names, dtypes, shapes):
             if selected is not None and name not in selected:

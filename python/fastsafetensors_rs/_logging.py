@@ -4,7 +4,7 @@ The package logs through `logging.getLogger("fastsafetensors_rs")` and, like any
 attaches no handler of its own: applications configure logging as they like. For a quick
 look without touching code, set `FASTSAFETENSORS_LOG` to a level name (`debug`, `info`,
 `warning`, `error`): the logger then gets that level and, if it has no handler yet, one that
-writes to stderr.
+writes to stderr. Any other value is an error, raised by every load.
 """
 
 from __future__ import annotations
@@ -45,12 +45,24 @@ def enable_logging(level: int | str = logging.DEBUG) -> None:
         logger.addHandler(handler)
 
 
-def configure_from_env() -> None:
-    """Applies `FASTSAFETENSORS_LOG` if set; an unknown value is reported, not fatal."""
+def level_from_env() -> int | None:
+    """The level `FASTSAFETENSORS_LOG` names, None if unset or blank; ValueError naming the
+    variable if it names none."""
     value = os.environ.get(ENV_LOG, "").strip()
     if not value:
-        return
+        return None
+    if value.lower() not in _LEVELS:
+        raise ValueError(f"{ENV_LOG}={os.environ[ENV_LOG]!r} is not valid: expected one of "
+                         f"{', '.join(sorted(_LEVELS))} (or unset it for no logging)")
+    return _LEVELS[value.lower()]
+
+
+def configure_from_env() -> None:
+    """Applies `FASTSAFETENSORS_LOG` if set, at import. A malformed value does not break the
+    import: every load checks it and raises (`api.check_settings`)."""
     try:
-        enable_logging(value)
-    except ValueError as e:
-        print(f"fastsafetensors: ignoring {ENV_LOG}={value!r}: {e}", file=sys.stderr)
+        level = level_from_env()
+    except ValueError:
+        return
+    if level is not None:
+        enable_logging(level)

@@ -28,7 +28,10 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
 
 import torch
 
+from ._dtypes import cast_dtype
+from ._logging import level_from_env
 from ._ops import ops
+from .progress import progress_from_env
 
 logger = logging.getLogger("fastsafetensors_rs")
 
@@ -36,7 +39,7 @@ PathLike = Union[str, os.PathLike]
 Device = Union[str, int, torch.device]
 TensorFilter = Union[None, str, Iterable[str], Callable[[str], bool]]
 
-__all__ = ["load", "load_file", "safe_open", "stream"]
+__all__ = ["load", "load_file", "release_staging_buffers", "safe_open", "stream"]
 
 MATCH_MODES = ("glob", "regex", "exact")
 ENV_MAX_MEMORY = "FASTSAFETENSORS_MAX_MEMORY"
@@ -46,9 +49,26 @@ ENV_MAX_MEMORY = "FASTSAFETENSORS_MAX_MEMORY"
 
 
 def _device_name(device: Device) -> str:
+    """The device argument as the op's device string, checked by the op's own rule ("cpu",
+    "cuda", "cuda:N"); anything else raises ValueError in one line."""
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"device must be a string, an index or a torch.device, not {type(device).__name__}")
     if isinstance(device, int):
-        return f"cuda:{device}"
-    return str(torch.device(device))
+        if device < 0:
+            raise ValueError(f"device={device}: a CUDA device index is 0 or more")
+        device = f"cuda:{device}"
+    try:
+        return ops.check_device(str(device))
+    except RuntimeError as e:
+        raise ValueError(str(e)) from None
+
+
+def check_settings() -> None:
+    """Raises ValueError naming a malformed `FASTSAFETENSORS_LOG` or `_PROGRESS`. Every load
+    runs it, as the core checks its own settings (`_READER`, `_THREADS`, `_MAX_HOST_MEMORY`,
+    `_MAX_MEMORY`) at every load: a malformed setting is an error, never silently a default."""
+    level_from_env()
+    progress_from_env()
 
 
 def _paths(files: Union[PathLike, Iterable[PathLike]]) -> List[str]:
@@ -65,7 +85,7 @@ def _filter_args(tensor_filter: TensorFilter, mode: str, paths: Sequence[str]) -
     if tensor_filter is None:
         return None, mode
     if callable(tensor_filter):
-        return [name for path in paths for name in ops.describe(path)[0] if tensor_filter(name)], "exact"
+        return [name for name in ops.selected(list(paths)) if tensor_filter(name)], "exact"
     if isinstance(tensor_filter, (str, os.PathLike)):
         return [os.fspath(tensor_filter)], mode
     patterns = list(tensor_filter)
@@ -113,6 +133,10 @@ def _gc_paused() -> Iterator[None]:
 
 
 def _report(paths: Sequence[str], read_paths: Sequence[str]) -> None:
+    if not logger.isEnabledFor(logging.DEBUG) and "mmap-fallback" not in read_paths:
+        return
+    if len(paths) != len(read_paths):  # directories or indexes: the files they stand for
+        paths = [f for p in paths for f in ops.checkpoint(p)[0]]
     fallback = [p for p, how in zip(paths, read_paths) if how == "mmap-fallback"]
     if fallback:
         logger.info("%d file(s) mapped instead of read: direct reads of every file would not fit in host memory "
@@ -133,7 +157,7 @@ def _nothing_selected(patterns: Optional[List[str]], mode: str, count: int, path
 def load(
     files: Union[PathLike, Iterable[PathLike]],
     device: Device = "cpu",
-    dtype: Optional[torch.dtype] = None,
+    dtype: Union[torch.dtype, str, None] = None,
     reader: Optional[str] = None,
     nogds: Optional[bool] = None,
     *,
@@ -143,10 +167,15 @@ def load(
     """Loads every tensor (or the selected ones) of one or more files into one dict.
 
     Args:
-        files: a path or several; tensor names must be unique across them.
+        files: a path or several; tensor names must be unique across them. A path is a
+            `.safetensors` file, a checkpoint directory (the shards its
+            `*.safetensors.index.json` lists, or without an index every `*.safetensors` in
+            it), or an index file (`*.json`); shards are checked against their index.
         device: where the tensors go ("cpu", "cuda", "cuda:1", an index or a torch.device).
         dtype: if given, floating-point tensors (f16, bf16, f32, f64) are cast to it on the
             device; integer, bool and quantised (float8/float4) tensors keep their dtype.
+            It must be torch.float16, torch.bfloat16, torch.float32 or torch.float64, or the
+            name of one ("bfloat16", "torch.bfloat16", "BF16"); other dtypes are refused.
         reader: "auto" (default: zero-copy mmap for files already in the page cache, parallel
             O_DIRECT reads otherwise), "direct" or "mmap". `$FASTSAFETENSORS_READER` sets the
             default. For CUDA targets it picks how files reach the pinned staging buffers:
@@ -162,10 +191,12 @@ def load(
     tensor into it is gone. With the "auto" reader, files whose direct reads would not fit in
     host memory are mapped instead (logged at INFO), so a load larger than memory succeeds.
     """
+    check_settings()
     paths = _paths(files)
     patterns, mode = _filter_args(tensor_filter, tensor_name_match_mode, paths)
+    target, cast = _device_name(device), cast_dtype(dtype)
     with _gc_paused():
-        names, tensors, read_paths = ops.load_named(paths, _device_name(device), dtype, reader, nogds, patterns, mode)
+        names, tensors, read_paths = ops.load_named(paths, target, cast, reader, nogds, patterns, mode)
         out = dict(zip(names, tensors))
     _nothing_selected(patterns, mode, len(out), paths)
     _report(paths, read_paths)
@@ -175,16 +206,25 @@ def load(
 def load_file(
     filename: PathLike,
     device: Device = "cpu",
-    dtype: Optional[torch.dtype] = None,
+    dtype: Union[torch.dtype, str, None] = None,
     reader: Optional[str] = None,
     nogds: Optional[bool] = None,
     *,
     tensor_filter: TensorFilter = None,
     tensor_name_match_mode: str = "glob",
 ) -> Dict[str, torch.Tensor]:
-    """Loads one file, like `safetensors.torch.load_file`. See `load` for the arguments."""
+    """Loads one file (or a checkpoint directory or index), like
+    `safetensors.torch.load_file`. See `load` for the arguments."""
     return load([filename], device=device, dtype=dtype, reader=reader, nogds=nogds, tensor_filter=tensor_filter,
                 tensor_name_match_mode=tensor_name_match_mode)
+
+
+def release_staging_buffers() -> int:
+    """Frees the pinned host memory CUDA loads keep for the next load (per GPU loaded to, up
+    to 2 x FASTSAFETENSORS_THREADS buffers of 8 MiB: 128 MiB by default); returns how many
+    buffers were freed. It is otherwise held until the process exits; a later load allocates
+    it again."""
+    return ops.release_staging_buffers()
 
 
 # ------------------------------------------------------------------ streaming
@@ -193,7 +233,7 @@ def load_file(
 def stream(
     files: Union[PathLike, Iterable[PathLike]],
     device: Device = "cpu",
-    dtype: Optional[torch.dtype] = None,
+    dtype: Union[torch.dtype, str, None] = None,
     reader: Optional[str] = None,
     *,
     tensor_filter: TensorFilter = None,
@@ -222,20 +262,21 @@ def stream(
     reading starts at once. Leaving the loop early (`break`, an exception) stops the reads once
     the iterator is closed (`close()`, a `with` block) or dropped.
     """
+    check_settings()
     paths = _paths(files)
     patterns, mode = _filter_args(tensor_filter, tensor_name_match_mode, paths)
-    handle = ops.open_stream(paths, _device_name(device), dtype, reader, patterns, mode, _max_memory(max_memory))
+    target, cast = _device_name(device), cast_dtype(dtype)
+    handle = ops.open_stream(paths, target, cast, reader, patterns, mode, _max_memory(max_memory))
     _nothing_selected(patterns, mode, handle.tensor_count(), paths)
-    return TensorIterator(handle, paths)
+    return TensorIterator(handle)
 
 
 class TensorIterator:
     """The iterator `stream` returns: `(name, tensor)` pairs, and how many tensors and bytes
     there are in all (`tensor_count`, `byte_count`). `close()` (or dropping it) stops the reads."""
 
-    def __init__(self, handle, paths: Sequence[str]):
+    def __init__(self, handle):
         self._handle = handle
-        self._paths = paths
         self._reported: set = set()
         self._names: List[str] = []
         self._tensors: List[Optional[torch.Tensor]] = []
@@ -270,10 +311,10 @@ class TensorIterator:
         if index in self._reported:
             return
         self._reported.add(index)
-        how = self._handle.read_path()
+        path, how = self._handle.file_path(), self._handle.read_path()
         if how == "mmap-fallback":
-            logger.info("%s: mapped instead of read: direct reads would not fit in host memory", self._paths[index])
-        logger.debug("%s: read with %s", self._paths[index], how)
+            logger.info("%s: mapped instead of read: direct reads would not fit in host memory", path)
+        logger.debug("%s: read with %s", path, how)
 
     def close(self) -> None:
         """Stops the reads still going on and drops what was read but not handed out."""
@@ -306,7 +347,8 @@ class safe_open:
     background); later calls find their tensors read or arriving. `get_slice(name)[a:b]` on a
     tensor not read yet reads only rows `[a, b)` from the file. Tensors stay valid after
     `close()`; the handle keeps what `get_tensor` read until it is closed. With several files,
-    `metadata()` is the first file's.
+    `metadata()` is the first file's. Each path is one `.safetensors` file: a directory or an
+    index is refused (load those with `load_file`).
     """
 
     def __init__(

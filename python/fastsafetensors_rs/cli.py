@@ -5,11 +5,13 @@
     python -m fastsafetensors_rs bench model/ --repeat 3        # this loader vs safetensors
     python -m fastsafetensors_rs inspect --json model/ | jq .totals
 
-A PATH is a file, a directory (its `model.safetensors.index.json` if there is one, else all of
-its `*.safetensors`) or an index file. `--json` prints one JSON document on stdout. Progress
+A PATH is a file, a directory (the shards its `*.safetensors.index.json` lists if there is one,
+else all of its `*.safetensors`) or an index file, by the same rule as `fastsafetensors_rs.load`. `--json` prints one JSON document on stdout. Progress
 bars (stderr, only for work longer than a second) are on unless `--no-progress` or
 `FASTSAFETENSORS_PROGRESS=0`; `-v` shows the loader's decisions (how each file was read).
-Exit status: 0 when every file is valid, 1 when one is not, 2 on a usage error.
+Exit status: 0 when every file is valid, 1 when one is not (or a load fails), 2 on a usage
+error or a malformed FASTSAFETENSORS_* setting, 141 when stdout is a pipe closed early
+(`| head`).
 """
 
 from __future__ import annotations
@@ -35,8 +37,6 @@ from .progress import ByteProgress, progress, progress_enabled
 
 logger = logging.getLogger("fastsafetensors_rs")
 
-INDEX_NAME = "model.safetensors.index.json"
-
 
 class UsageError(Exception):
     """A problem with the command line itself (exit status 2)."""
@@ -47,46 +47,26 @@ class UsageError(Exception):
 
 @dataclass
 class Checkpoint:
-    """The files one PATH argument stands for, and the index that listed them, if any.
+    """The files one PATH argument stands for, the index that listed them, if any, and the
+    problems between them (a name in two files; an index that disagrees with its files).
     Tensor names must be unique within a checkpoint, not across them."""
 
     arg: str
     files: List[str] = field(default_factory=list)
     index: Optional[str] = None
-
-
-def _index_files(index_path: str) -> List[str]:
-    try:
-        with open(index_path, encoding="utf-8") as f:
-            index = json.load(f)
-    except (OSError, ValueError) as e:
-        raise UsageError(f"{index_path}: cannot read the index: {e}") from None
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict):
-        raise UsageError(f"{index_path}: not a safetensors index (no weight_map)")
-    folder = os.path.dirname(index_path)
-    return sorted({os.path.join(folder, name) for name in weight_map.values()})
+    problems: List[str] = field(default_factory=list)
 
 
 def expand_paths(paths: Sequence[str]) -> List[Checkpoint]:
-    """Turns files, directories and index files into checkpoints (lists of files)."""
+    """Turns files, directories and index files into checkpoints by the loader's own rule
+    (`fastsafetensors_rs.load` resolves a directory or an index the same way)."""
     out = []
     for path in paths:
-        if os.path.isdir(path):
-            index = os.path.join(path, INDEX_NAME)
-            if os.path.isfile(index):
-                out.append(Checkpoint(path, _index_files(index), index))
-                continue
-            found = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
-            if not found:
-                raise UsageError(f"{path}: no .safetensors files in this directory")
-            out.append(Checkpoint(path, found))
-        elif path.endswith(".index.json"):
-            if not os.path.isfile(path):
-                raise UsageError(f"{path}: no such file")
-            out.append(Checkpoint(path, _index_files(path), path))
-        else:
-            out.append(Checkpoint(path, [path]))  # a missing file is reported per file
+        try:
+            files, index, problems = ops.checkpoint(str(path))
+        except RuntimeError as e:
+            raise UsageError(str(e)) from None
+        out.append(Checkpoint(str(path), list(files), index, list(problems)))
     return out
 
 
@@ -150,33 +130,8 @@ def _merge_totals(files: List[Dict[str, Any]]) -> Dict[str, Any]:
     }
 
 
-def _check_names(ckpts: List[Checkpoint], files: List[Dict[str, Any]]) -> List[str]:
-    """Problems within each checkpoint: a tensor name in two of its files; an index that
-    disagrees with the files it lists."""
-    problems = []
-    info = {f["path"]: f for f in files}
-    for c in ckpts:
-        owner: Dict[str, str] = {}
-        for path in c.files:
-            for t in info[path].get("tensors", []):
-                if t["name"] in owner:
-                    problems.append(f"tensor '{t['name']}' is in both {owner[t['name']]} and {path}")
-                else:
-                    owner[t["name"]] = path
-        if c.index is None:
-            continue
-        with open(c.index, encoding="utf-8") as fh:
-            weight_map = json.load(fh)["weight_map"]
-        folder = os.path.dirname(c.index)
-        for name, shard in weight_map.items():
-            path = os.path.join(folder, shard)
-            if info[path]["valid"] and owner.get(name) != path:
-                where = f"it is in {owner[name]}" if name in owner else "no file has it"
-                problems.append(f"{c.index}: maps '{name}' to {shard}, but {where}")
-        for name, path in owner.items():
-            if name not in weight_map:
-                problems.append(f"{c.index}: does not list tensor '{name}' of {path}")
-    return problems
+def _problems(ckpts: List[Checkpoint]) -> List[str]:
+    return [p for c in ckpts for p in c.problems]
 
 
 def _human(n: float) -> str:
@@ -190,9 +145,11 @@ def _human(n: float) -> str:
 def cmd_inspect(args: argparse.Namespace) -> Tuple[Dict[str, Any], bool]:
     ckpts = expand_paths(args.paths)
     files = _describe_all(ckpts)
-    problems = _check_names(ckpts, files)
+    problems = _problems(ckpts)
     ok = all(f["valid"] for f in files) and not problems
-    result = {"command": "inspect", "valid": ok, "files": files, "indexes": [c.index for c in ckpts if c.index],
+    # --summary: totals only, in the JSON document as on the terminal.
+    listed = [{k: v for k, v in f.items() if k != "tensors"} for f in files] if args.summary else files
+    result = {"command": "inspect", "valid": ok, "files": listed, "indexes": [c.index for c in ckpts if c.index],
               "problems": problems, "totals": _merge_totals(files)}
     if not args.json:
         for f in files:
@@ -241,7 +198,7 @@ def cmd_verify(args: argparse.Namespace) -> Tuple[Dict[str, Any], bool]:
             if f["valid"]:
                 _verify_data(f, args)
             bar.update(f.get("file_bytes", 0))
-    problems = _check_names(ckpts, files)
+    problems = _problems(ckpts)
     ok = all(f["valid"] for f in files) and not problems
     result = {"command": "verify", "valid": ok, "indexes": [c.index for c in ckpts if c.index], "problems": problems,
               "files": [{k: f.get(k) for k in ("path", "valid", "error", "read_path", "file_bytes")}
@@ -322,10 +279,19 @@ def touch(tensors: Dict[str, torch.Tensor]) -> None:
 
 
 def _device(name: str) -> str:
+    """--device, checked before any file is touched: a device the loader refuses, or a CUDA
+    device where torch sees none, is a usage error."""
     try:
-        return str(torch.device(name))
-    except RuntimeError as e:
-        raise UsageError(f"--device: {e}") from None
+        device = api._device_name(name)
+    except ValueError as e:
+        raise UsageError(f"--device {name}: {e}") from None
+    if device.startswith("cuda"):
+        count, index = torch.cuda.device_count(), torch.device(device).index
+        if count == 0:
+            raise UsageError(f"--device {name}: no CUDA device is visible (torch.cuda.device_count() is 0)")
+        if index is not None and index >= count:
+            raise UsageError(f"--device {name}: there is no CUDA device {index} (torch sees {count})")
+    return device
 
 
 def _loaders(args: argparse.Namespace) -> Dict[str, Callable[[List[str]], Dict[str, torch.Tensor]]]:
@@ -449,7 +415,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_settings() -> None:
+    """Every FASTSAFETENSORS_* setting, before any work: a malformed one is a usage error."""
+    try:
+        api.check_settings()
+        ops.load([], "cpu")  # a load of no files checks the core's settings
+    except (ValueError, RuntimeError) as e:
+        raise UsageError(str(e)) from None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Runs the command line; returns the exit status. Output cut short by a closed pipe
+    (`... | head`) ends the program quietly with status 141, as SIGPIPE ends other tools."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        _discard_stdout()
+        return 141
+    except KeyboardInterrupt:
+        return 130
+
+
+def _discard_stdout() -> None:
+    """Points stdout at /dev/null, so that the interpreter's last flush of what the closed
+    pipe did not take raises nothing at exit."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by a non-file (e.g. in tests)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -460,15 +459,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if getattr(args, "repeat", 1) < 1:
         parser.error("--repeat must be at least 1")
     try:
+        _check_settings()
         result, ok = args.run(args)
-    except UsageError as e:
+    except BrokenPipeError:
+        raise  # handled by main
+    except (UsageError, ValueError) as e:  # the command line, or a malformed setting
         print(f"{parser.prog} {args.command}: {e}", file=sys.stderr)
         return 2
+    except (RuntimeError, OSError) as e:  # what the loaders raise; -v shows where
+        if args.verbose:
+            logger.exception("%s failed", args.command)
+        print(f"{parser.prog} {args.command}: {e}", file=sys.stderr)
+        return 1
     if args.json:
-        try:
-            json.dump(result, sys.stdout, indent=2)
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-        except BrokenPipeError:  # e.g. piped into `head`
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        json.dump(result, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    sys.stdout.flush()  # a closed pipe shows here, inside main, not at exit
     return 0 if ok else 1

@@ -2,7 +2,7 @@
 
 Bars are off by default inside library iterators (`weights_iterator`) and on in the command
 line tool. `FASTSAFETENSORS_PROGRESS=1` (or `0`) turns them on (or off) wherever the caller
-did not decide explicitly. A bar appears only once a load has taken more than a second, so
+did not decide explicitly; any other value is an error, raised by every load. A bar appears only once a load has taken more than a second, so
 fast loads print nothing. tqdm is optional: without it, progress is silently skipped.
 """
 
@@ -28,12 +28,22 @@ def progress_enabled(requested: Optional[bool], default: bool = False) -> bool:
     else `default` (False for library iterators, True for the command line tool)."""
     if requested is not None:
         return bool(requested)
+    from_env = progress_from_env()
+    return default if from_env is None else from_env
+
+
+def progress_from_env() -> Optional[bool]:
+    """`$FASTSAFETENSORS_PROGRESS` as a bool, None if unset or blank; ValueError naming the
+    variable for any other value."""
     value = os.environ.get(ENV_PROGRESS, "").strip().lower()
     if value in _TRUE:
         return True
     if value in _FALSE:
         return False
-    return default
+    if value:
+        raise ValueError(f"{ENV_PROGRESS}={os.environ[ENV_PROGRESS]!r} is not valid: expected 1, true, yes, on or "
+                         "0, false, no, off (or unset it for the default)")
+    return None
 
 
 def _tqdm():

@@ -35,6 +35,8 @@ pub trait CuFileApi: Sync {
         file_offset: u64,
         base_offset: u64,
     ) -> Result<usize, String>;
+    /// Whether cuFile runs in compatibility mode (reads through host memory, not DMA).
+    fn compat_mode(&self) -> bool;
 }
 
 #[repr(C)]
@@ -65,6 +67,29 @@ type HandleDeregister = unsafe extern "C" fn(*mut c_void);
 type BufRegister = unsafe extern "C" fn(*const c_void, usize, c_int) -> CUfileError;
 type BufDeregister = unsafe extern "C" fn(*const c_void) -> CUfileError;
 type Read = unsafe extern "C" fn(*mut c_void, *mut c_void, usize, i64, i64) -> isize;
+type DriverGetProperties = unsafe extern "C" fn(*mut CUfileDrvProps) -> CUfileError;
+type GetParameterBool = unsafe extern "C" fn(c_int, *mut bool) -> CUfileError;
+
+/// `CUfileDrvProps_t` (cufile.h).
+#[repr(C)]
+#[derive(Default)]
+struct CUfileDrvProps {
+    nvfs_major_version: u32,
+    nvfs_minor_version: u32,
+    nvfs_poll_thresh_size: usize,
+    nvfs_max_direct_io_size: usize,
+    nvfs_dstatusflags: u32,
+    nvfs_dcontrolflags: u32,
+    fflags: u32,
+    max_device_cache_size: u32,
+    per_buffer_cache_size: u32,
+    max_device_pinned_mem_size: u32,
+    max_batch_io_size: u32,
+    max_batch_io_timeout_msecs: u32,
+}
+
+/// `CUFILE_PARAM_FORCE_COMPAT_MODE` of `CUFileBoolConfigParameter_t` (cuFile 1.7 and later).
+const CUFILE_PARAM_FORCE_COMPAT_MODE: c_int = 2;
 
 fn check(what: &str, e: CUfileError) -> Result<(), String> {
     match (e.err, e.cu_err) {
@@ -81,6 +106,7 @@ pub struct CuFileLibrary {
     buf_register: BufRegister,
     buf_deregister: BufDeregister,
     read: Read,
+    compat_mode: bool,
     _library: Library,
 }
 
@@ -90,8 +116,12 @@ impl CuFileLibrary {
     /// Call only once a CUDA context exists on a real device: on machines without a GPU,
     /// `cuFileDriverOpen` never returns.
     pub fn open() -> Result<CuFileLibrary, String> {
-        let mut names: Vec<String> = std::env::var(CUFILE_ENV).into_iter().filter(|s| !s.is_empty()).collect();
-        names.extend(LIBRARY_NAMES.iter().map(|s| s.to_string()));
+        // A library the user named is the only one tried: quietly loading another would hide
+        // that their choice does not load.
+        let names: Vec<String> = match std::env::var(CUFILE_ENV) {
+            Ok(chosen) if !chosen.is_empty() => vec![chosen],
+            _ => LIBRARY_NAMES.iter().map(|s| s.to_string()).collect(),
+        };
         let mut tried = Vec::new();
         let library = names
             .iter()
@@ -99,7 +129,12 @@ impl CuFileLibrary {
                 // SAFETY: loading cuFile runs only its own initialisers.
                 unsafe { Library::new(name) }.map_err(|e| tried.push(format!("{name}: {e}"))).ok()
             })
-            .ok_or_else(|| format!("libcufile could not be loaded ({})", tried.join("; ")))?;
+            .ok_or_else(|| match std::env::var(CUFILE_ENV) {
+                Ok(chosen) if !chosen.is_empty() => {
+                    format!("{CUFILE_ENV}={chosen} could not be loaded ({})", tried.join("; "))
+                }
+                _ => format!("libcufile could not be loaded ({})", tried.join("; ")),
+            })?;
         // SAFETY: the symbol types match cufile.h (CUfileError_t is {int, CUresult}).
         unsafe {
             let symbol = |name: &[u8]| -> Result<*const (), String> {
@@ -109,23 +144,54 @@ impl CuFileLibrary {
                     .map_err(|e| format!("libcufile lacks {}: {e}", String::from_utf8_lossy(name)))
             };
             let driver_open: DriverOpen = std::mem::transmute(symbol(b"cuFileDriverOpen\0")?);
-            let lib = CuFileLibrary {
-                handle_register: std::mem::transmute::<*const (), HandleRegister>(symbol(b"cuFileHandleRegister\0")?),
-                handle_deregister: std::mem::transmute::<*const (), HandleDeregister>(symbol(
-                    b"cuFileHandleDeregister\0",
-                )?),
-                buf_register: std::mem::transmute::<*const (), BufRegister>(symbol(b"cuFileBufRegister\0")?),
-                buf_deregister: std::mem::transmute::<*const (), BufDeregister>(symbol(b"cuFileBufDeregister\0")?),
-                read: std::mem::transmute::<*const (), Read>(symbol(b"cuFileRead\0")?),
-                _library: library,
-            };
+            let handle_register = std::mem::transmute::<*const (), HandleRegister>(symbol(b"cuFileHandleRegister\0")?);
+            let handle_deregister =
+                std::mem::transmute::<*const (), HandleDeregister>(symbol(b"cuFileHandleDeregister\0")?);
+            let buf_register = std::mem::transmute::<*const (), BufRegister>(symbol(b"cuFileBufRegister\0")?);
+            let buf_deregister = std::mem::transmute::<*const (), BufDeregister>(symbol(b"cuFileBufDeregister\0")?);
+            let read = std::mem::transmute::<*const (), Read>(symbol(b"cuFileRead\0")?);
+            // Optional: older cuFile versions lack them.
+            let get_properties = symbol(b"cuFileDriverGetProperties\0")
+                .ok()
+                .map(|f| std::mem::transmute::<*const (), DriverGetProperties>(f));
+            let get_bool =
+                symbol(b"cuFileGetParameterBool\0").ok().map(|f| std::mem::transmute::<*const (), GetParameterBool>(f));
             check("cuFileDriverOpen", driver_open())?;
-            Ok(lib)
+            Ok(CuFileLibrary {
+                handle_register,
+                handle_deregister,
+                buf_register,
+                buf_deregister,
+                read,
+                compat_mode: compat_mode(get_properties, get_bool),
+                _library: library,
+            })
         }
     }
 }
 
+/// Whether the opened driver runs in compatibility mode: the nvidia-fs driver is not loaded,
+/// cuFile reports no nvidia-fs version, or it is told to (`CUFILE_FORCE_COMPAT_MODE`,
+/// `force_compat_mode` in cufile.json). In doubt, compatibility mode.
+///
+/// # Safety
+/// The functions, if given, are cuFile's, and its driver is open.
+unsafe fn compat_mode(get_properties: Option<DriverGetProperties>, get_bool: Option<GetParameterBool>) -> bool {
+    if !nvidia_fs_loaded() {
+        return true;
+    }
+    let mut props = CUfileDrvProps::default();
+    let nvfs = get_properties.is_some_and(|f| check("", f(&mut props)).is_ok() && props.nvfs_major_version > 0);
+    let mut forced = false;
+    let forced = get_bool.is_some_and(|f| check("", f(CUFILE_PARAM_FORCE_COMPAT_MODE, &mut forced)).is_ok() && forced);
+    !nvfs || forced
+}
+
 impl CuFileApi for CuFileLibrary {
+    fn compat_mode(&self) -> bool {
+        self.compat_mode
+    }
+
     fn register_handle(&self, fd: RawFd) -> Result<FileHandle, String> {
         let mut descr = CUfileDescr {
             kind: CU_FILE_HANDLE_TYPE_OPAQUE_FD,
@@ -177,4 +243,14 @@ impl CuFileApi for CuFileLibrary {
 /// ("compatibility mode") through the page cache, slower than our staged path.
 pub fn nvidia_fs_loaded() -> bool {
     std::path::Path::new("/proc/driver/nvidia-fs/stats").exists()
+}
+
+/// cuFile, opened once per process, or why it cannot be used: in `Auto` mode only where the
+/// nvidia-fs driver is loaded. Call only once a context exists on a real device.
+pub fn shared(gds: crate::gds::GdsMode) -> Result<&'static CuFileLibrary, &'static str> {
+    static LIBRARY: std::sync::OnceLock<Result<CuFileLibrary, String>> = std::sync::OnceLock::new();
+    if gds == crate::gds::GdsMode::Auto && !nvidia_fs_loaded() {
+        return Err("the nvidia-fs driver is not loaded");
+    }
+    LIBRARY.get_or_init(CuFileLibrary::open).as_ref().map_err(String::as_str)
 }

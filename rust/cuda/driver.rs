@@ -1,8 +1,14 @@
-//! The CUDA driver API (through cudarc's `result` layer): contexts, streams, pinned host
-//! memory, events. Every type releases what it owns on drop.
+//! The CUDA driver API (through cudarc's `sys` and `result` layers): contexts, streams,
+//! pinned host memory, events. Every type releases what it owns on drop.
+//!
+//! Nothing here leaves a context current on any thread: each call that needs one pushes its
+//! object's context and pops it again ([`Context::enter`]), so the caller's current device —
+//! torch's, or a CuPy or PyCUDA context — is what it was. Every object holds its context, so
+//! the context is released only after the last stream, event and pinned buffer made in it.
 
 use std::ffi::c_void;
-use std::sync::OnceLock;
+use std::marker::PhantomData;
+use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{result, sys};
 
@@ -30,86 +36,112 @@ pub fn device_count() -> Result<usize> {
     Ok(count.max(0) as usize)
 }
 
-/// The primary context of a device: the one the CUDA runtime, and so torch, uses.
-pub struct Context {
+/// The primary context of a device: the one the CUDA runtime, and so torch, uses. Cloning
+/// shares one retain; the last clone releases it.
+#[derive(Clone)]
+pub struct Context(Arc<Primary>);
+
+struct Primary {
     device: sys::CUdevice,
     raw: sys::CUcontext,
     ordinal: usize,
 }
 
-// SAFETY: CUDA contexts may be used from any thread (each binds it with `bind`).
-unsafe impl Send for Context {}
-unsafe impl Sync for Context {}
+// SAFETY: a CUDA context may be used from any thread; each use binds it with `enter`.
+unsafe impl Send for Primary {}
+unsafe impl Sync for Primary {}
+
+impl Drop for Primary {
+    fn drop(&mut self) {
+        // SAFETY: balances the retain in `Context::primary`. Every object made in the context
+        // holds a `Context`, so none is left.
+        let _ = unsafe { result::primary_ctx::release(self.device) };
+    }
+}
 
 impl Context {
-    /// Retains device `ordinal`'s primary context and makes it current on this thread.
+    /// Retains device `ordinal`'s primary context. Does not make it current anywhere.
     pub fn primary(ordinal: usize) -> Result<Context> {
         let count = device_count()?;
         if ordinal >= count {
             return Err(Error::Cuda(format!("no device cuda:{ordinal} ({count} device(s) visible)")));
         }
         let device = result::device::get(ordinal as i32).map_err(|e| cuda_error("cuDeviceGet", e))?;
-        // SAFETY: `device` came from cuDeviceGet; released in Drop.
+        // SAFETY: `device` came from cuDeviceGet; released when the last clone drops.
         let raw =
             unsafe { result::primary_ctx::retain(device) }.map_err(|e| cuda_error("cuDevicePrimaryCtxRetain", e))?;
-        let ctx = Context { device, raw, ordinal };
-        ctx.bind()?;
-        Ok(ctx)
+        Ok(Context(Arc::new(Primary { device, raw, ordinal })))
     }
 
     pub fn ordinal(&self) -> usize {
-        self.ordinal
+        self.0.ordinal
     }
 
-    /// Makes the context current on the calling thread (each I/O thread needs it).
-    pub fn bind(&self) -> Result<()> {
+    /// Makes the context current on the calling thread until the returned guard drops, which
+    /// restores the thread's previous context.
+    pub fn enter(&self) -> Result<Current<'_>> {
         // SAFETY: `raw` is a live context retained by `self`.
-        unsafe { result::ctx::set_current(self.raw) }.map_err(|e| cuda_error("cuCtxSetCurrent", e))
-    }
-
-    /// Waits for all work on the device: torch may still be using memory its caching
-    /// allocator has just handed us, on streams we do not know.
-    pub fn synchronize(&self) -> Result<()> {
-        self.bind()?;
-        result::ctx::synchronize().map_err(|e| cuda_error("cuCtxSynchronize", e))
+        unsafe { sys::cuCtxPushCurrent_v2(self.0.raw) }.result().map_err(|e| cuda_error("cuCtxPushCurrent", e))?;
+        Ok(Current { _ctx: PhantomData, _same_thread: PhantomData })
     }
 }
 
-impl Drop for Context {
+/// A context made current by [`Context::enter`]; dropping it pops it. Not `Send`: it must be
+/// dropped on the thread that entered.
+pub struct Current<'a> {
+    _ctx: PhantomData<&'a Context>,
+    _same_thread: PhantomData<*const ()>,
+}
+
+impl Drop for Current<'_> {
     fn drop(&mut self) {
-        // SAFETY: balances the retain in `primary`.
-        let _ = unsafe { result::primary_ctx::release(self.device) };
+        let mut popped = std::ptr::null_mut();
+        // SAFETY: pops the context `enter` pushed on this thread; guards drop in reverse
+        // order of creation, so it is on top.
+        let _ = unsafe { sys::cuCtxPopCurrent_v2(&mut popped) };
     }
 }
 
 /// A non-blocking stream for our copies, so they neither wait for nor block torch's work.
 pub struct Stream {
     raw: sys::CUstream,
+    ctx: Context,
 }
 
-// SAFETY: streams may be used from any thread of their context.
+// SAFETY: streams may be used from any thread; each call binds their context.
 unsafe impl Send for Stream {}
 unsafe impl Sync for Stream {}
 
 impl Stream {
     pub fn new(ctx: &Context) -> Result<Stream> {
-        ctx.bind()?;
+        let _current = ctx.enter()?;
         let raw = result::stream::create(result::stream::StreamKind::NonBlocking)
             .map_err(|e| cuda_error("cuStreamCreate", e))?;
-        Ok(Stream { raw })
+        Ok(Stream { raw, ctx: ctx.clone() })
     }
 
-    /// Enqueues a copy of `src[..len]` to device address `dst`. `src` must not be written
-    /// until an event recorded after this copy has completed.
+    /// Enqueues a copy of `src[..len]` to device address `dst`. `src` must not be written or
+    /// freed until an event recorded after this copy, or the stream, has completed.
     pub fn copy_to_device(&self, src: &PinnedBuffer, len: usize, dst: u64) -> Result<()> {
         let bytes = &src.as_slice()[..len];
+        let _current = self.ctx.enter()?;
         // SAFETY: `dst` is device memory of at least `len` bytes (the caller allocated it
         // through torch for this file); `bytes` is pinned and outlives the copy because the
-        // pipeline waits on the slot's event before reusing or freeing it.
+        // pipeline waits for the copy before reusing or freeing it.
         unsafe { result::memcpy_htod_async(dst, bytes, self.raw) }.map_err(|e| cuda_error("cuMemcpyHtoDAsync", e))
     }
 
+    /// Makes the work queued on this stream from now on wait until `event` has completed.
+    /// `event` may belong to another library (torch's).
+    pub fn wait_for(&self, event: RawEvent) -> Result<()> {
+        let _current = self.ctx.enter()?;
+        // SAFETY: both handles are live: `event` is kept by its owner until the load returns.
+        unsafe { result::stream::wait_event(self.raw, event.0, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+            .map_err(|e| cuda_error("cuStreamWaitEvent", e))
+    }
+
     pub fn synchronize(&self) -> Result<()> {
+        let _current = self.ctx.enter()?;
         // SAFETY: `raw` is a live stream.
         unsafe { result::stream::synchronize(self.raw) }.map_err(|e| cuda_error("cuStreamSynchronize", e))
     }
@@ -117,8 +149,33 @@ impl Stream {
 
 impl Drop for Stream {
     fn drop(&mut self) {
-        // SAFETY: the stream is ours; pending work completes before it is destroyed.
-        let _ = unsafe { result::stream::destroy(self.raw) };
+        if let Ok(_current) = self.ctx.enter() {
+            // SAFETY: the stream is ours; its context is alive (`self.ctx`, released after).
+            let _ = unsafe { result::stream::destroy(self.raw) };
+        }
+    }
+}
+
+/// An event made by someone else (torch), as a raw `CUevent`.
+#[derive(Debug, Clone, Copy)]
+pub struct RawEvent(pub sys::CUevent);
+
+// SAFETY: a handle; its owner keeps it alive for as long as it lends it.
+unsafe impl Send for RawEvent {}
+unsafe impl Sync for RawEvent {}
+
+impl RawEvent {
+    /// # Safety
+    /// `handle` is a live `CUevent` (a `cudaEvent_t`), and stays alive while the value is used.
+    pub unsafe fn from_raw(handle: u64) -> RawEvent {
+        RawEvent(handle as sys::CUevent)
+    }
+
+    /// Blocks until the work recorded in the event has completed.
+    pub fn synchronize(&self, ctx: &Context) -> Result<()> {
+        let _current = ctx.enter()?;
+        // SAFETY: the event is live (see `Stream::wait_for`).
+        unsafe { result::event::synchronize(self.0) }.map_err(|e| cuda_error("cuEventSynchronize", e))
     }
 }
 
@@ -126,6 +183,7 @@ impl Drop for Stream {
 pub struct PinnedBuffer {
     ptr: *mut u8,
     len: usize,
+    ctx: Context,
 }
 
 // SAFETY: the buffer is plain memory owned by this value.
@@ -133,10 +191,18 @@ unsafe impl Send for PinnedBuffer {}
 
 impl PinnedBuffer {
     pub fn new(ctx: &Context, len: usize) -> Result<PinnedBuffer> {
-        ctx.bind()?;
+        let _current = ctx.enter()?;
         // SAFETY: allocates `len` bytes; uninitialised bytes are fine for u8.
         let ptr = unsafe { result::malloc_host(len, 0) }.map_err(|e| cuda_error("cuMemHostAlloc", e))?;
-        Ok(PinnedBuffer { ptr: ptr as *mut u8, len })
+        Ok(PinnedBuffer { ptr: ptr as *mut u8, len, ctx: ctx.clone() })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 
     pub fn as_slice(&self) -> &[u8] {
@@ -152,33 +218,39 @@ impl PinnedBuffer {
 
 impl Drop for PinnedBuffer {
     fn drop(&mut self) {
-        // SAFETY: `ptr` came from cuMemHostAlloc.
-        let _ = unsafe { result::free_host(self.ptr as *mut c_void) };
+        if let Ok(_current) = self.ctx.enter() {
+            // SAFETY: `ptr` came from cuMemHostAlloc; no copy out of it is running (the
+            // owner waited for them).
+            let _ = unsafe { result::free_host(self.ptr as *mut c_void) };
+        }
     }
 }
 
 /// Marks a point in a stream, to wait for the copies enqueued before it.
 pub struct Event {
     raw: sys::CUevent,
+    ctx: Context,
 }
 
-// SAFETY: events may be recorded and waited on from any thread of their context.
+// SAFETY: events may be recorded and waited on from any thread; each call binds the context.
 unsafe impl Send for Event {}
 
 impl Event {
     pub fn new(ctx: &Context) -> Result<Event> {
-        ctx.bind()?;
+        let _current = ctx.enter()?;
         let raw = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
             .map_err(|e| cuda_error("cuEventCreate", e))?;
-        Ok(Event { raw })
+        Ok(Event { raw, ctx: ctx.clone() })
     }
 
     pub fn record(&self, stream: &Stream) -> Result<()> {
+        let _current = self.ctx.enter()?;
         // SAFETY: both handles are live.
         unsafe { result::event::record(self.raw, stream.raw) }.map_err(|e| cuda_error("cuEventRecord", e))
     }
 
     pub fn synchronize(&self) -> Result<()> {
+        let _current = self.ctx.enter()?;
         // SAFETY: `raw` is a live event.
         unsafe { result::event::synchronize(self.raw) }.map_err(|e| cuda_error("cuEventSynchronize", e))
     }
@@ -186,7 +258,9 @@ impl Event {
 
 impl Drop for Event {
     fn drop(&mut self) {
-        // SAFETY: the event is ours.
-        let _ = unsafe { result::event::destroy(self.raw) };
+        if let Ok(_current) = self.ctx.enter() {
+            // SAFETY: the event is ours; its context is alive.
+            let _ = unsafe { result::event::destroy(self.raw) };
+        }
     }
 }

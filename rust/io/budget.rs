@@ -22,17 +22,32 @@ pub const MAX_MEMORY_ENV: &str = "FASTSAFETENSORS_MAX_MEMORY";
 /// works, small beside the memory of any machine that loads models.
 pub const DEFAULT_STREAM_BUDGET: u64 = 1 << 30;
 
+/// What the size settings accept.
+const SIZE: &str = "bytes with an optional K/M/G/T suffix (e.g. 64G), or 'unlimited'";
+
+/// The cap on owned host memory: `Some(Some(bytes))`, `Some(None)` for `unlimited`, None
+/// when `$FASTSAFETENSORS_MAX_HOST_MEMORY` is not set; an error when it is malformed.
+pub fn limit_from_env() -> Result<Option<Option<u64>>> {
+    super::setting(MAX_HOST_MEMORY_ENV, SIZE, parse_size)
+}
+
+/// A stream's budget from `$FASTSAFETENSORS_MAX_MEMORY`: as [`limit_from_env`].
+pub fn stream_limit_from_env() -> Result<Option<Option<u64>>> {
+    super::setting(MAX_MEMORY_ENV, SIZE, parse_size)
+}
+
 /// The host-memory limit of a load that returns everything: `$FASTSAFETENSORS_MAX_HOST_MEMORY`
 /// if set, else the memory the kernel reports as available; `None` when unlimited or unknown.
 /// The second value says where the limit comes from.
 pub fn host_limit() -> Result<Option<(u64, &'static str)>> {
-    match env_size(MAX_HOST_MEMORY_ENV)? {
+    match limit_from_env()? {
         Some(limit) => Ok(limit.map(|l| (l, "allowed by FASTSAFETENSORS_MAX_HOST_MEMORY"))),
         None => Ok(mem_available().map(|available| (available, "available (MemAvailable)"))),
     }
 }
 
-/// Fails if `needed` bytes of owned host buffers exceed [`host_limit`].
+/// Fails if `needed` bytes of owned host buffers exceed [`host_limit`]. Zero-copy mappings do
+/// not count: they are page cache the kernel can reclaim.
 pub fn check(needed: u64) -> Result<()> {
     match host_limit()? {
         Some((limit, why)) if needed > limit => Err(Error::OutOfMemory { needed, limit, why }),
@@ -47,33 +62,16 @@ pub fn check(needed: u64) -> Result<()> {
 /// where they came from.
 pub fn stream_budget(requested: Option<&str>) -> Result<u64> {
     let explicit = match requested {
-        Some(text) => Some(parse_size(text).ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "max_memory={text:?}: expected bytes, optionally with a K/M/G/T suffix (powers of 1024), or 'unlimited'"
-            ))
-        })?),
-        None => env_size(MAX_MEMORY_ENV)?,
+        Some(text) => Some(
+            parse_size(text)
+                .ok_or_else(|| Error::InvalidArgument(format!("max_memory='{text}' is not valid: expected {SIZE}")))?,
+        ),
+        None => stream_limit_from_env()?,
     };
     Ok(match explicit {
         Some(limit) => limit.unwrap_or(u64::MAX),
         None => DEFAULT_STREAM_BUDGET.min(mem_available().map_or(u64::MAX, |a| a / 2)),
     })
-}
-
-/// The size in environment variable `name`: `None` when unset or empty, `Some(None)` for
-/// unlimited. A malformed value is an error naming the variable.
-fn env_size(name: &str) -> Result<Option<Option<u64>>> {
-    match std::env::var(name) {
-        Ok(value) if !value.trim().is_empty() => parse_size(&value).map(Some).ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "{name}={value:?}: expected bytes, optionally with a K/M/G/T suffix (powers of 1024), or 'unlimited'"
-            ))
-        }),
-        Ok(_) | Err(std::env::VarError::NotPresent) => Ok(None),
-        Err(std::env::VarError::NotUnicode(value)) => {
-            Err(Error::InvalidArgument(format!("{name}={value:?}: not valid UTF-8")))
-        }
-    }
 }
 
 /// Parses a size: a whole number of bytes, optionally followed by `K`, `M`, `G` or `T`
@@ -142,6 +140,6 @@ mod tests {
         assert_eq!(stream_budget(Some("256M")).unwrap(), 256 << 20);
         assert_eq!(stream_budget(Some("unlimited")).unwrap(), u64::MAX);
         let err = stream_budget(Some("256 megs")).unwrap_err().to_string();
-        assert!(err.contains("max_memory=\"256 megs\"") && err.contains("K/M/G/T"), "{err}");
+        assert!(err.contains("max_memory='256 megs' is not valid") && err.contains("K/M/G/T"), "{err}");
     }
 }

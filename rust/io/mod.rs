@@ -32,10 +32,13 @@ use crate::plan::Extent;
 
 /// Environment variable that picks the reader when the caller does not.
 pub const READER_ENV: &str = "FASTSAFETENSORS_READER";
-/// Environment variable that sets the number of I/O threads (read once, at first load).
+/// Environment variable that sets the number of I/O threads (the pool is made at the first
+/// load that reads files; the variable is checked at every load).
 pub const THREADS_ENV: &str = "FASTSAFETENSORS_THREADS";
 /// I/O threads when not configured: enough requests in flight to keep an NVMe queue busy.
 const DEFAULT_THREADS: usize = 8;
+/// Most I/O threads allowed: beyond this, threads only cost memory.
+const MAX_THREADS: usize = 1024;
 /// Fraction of a file's pages that must be resident for `Auto` to map it rather than read it.
 const RESIDENT_THRESHOLD: f64 = 0.9;
 
@@ -69,14 +72,55 @@ impl ReaderKind {
     pub fn resolve(requested: Option<&str>) -> Result<ReaderKind> {
         match requested {
             Some(name) => name.parse(),
-            None => match std::env::var(READER_ENV) {
-                Ok(name) if !name.is_empty() => {
-                    name.parse().map_err(|e: Error| Error::InvalidArgument(format!("{READER_ENV}: {e}")))
-                }
-                _ => Ok(ReaderKind::Auto),
-            },
+            None => Ok(setting(READER_ENV, "auto, direct or mmap", |v| v.parse().ok())?.unwrap_or_default()),
         }
     }
+}
+
+/// The value of environment variable `var`, parsed: None when unset or blank, an error
+/// naming the variable and what it accepts (`expected`) when `parse` refuses it.
+pub(crate) fn setting<T>(
+    var: &'static str,
+    expected: &'static str,
+    parse: impl FnOnce(&str) -> Option<T>,
+) -> Result<Option<T>> {
+    let value = match std::env::var(var) {
+        Ok(value) => value,
+        Err(std::env::VarError::NotPresent) => return Ok(None),
+        Err(std::env::VarError::NotUnicode(raw)) => {
+            return Err(Error::InvalidSetting { var, value: raw.to_string_lossy().into_owned(), expected })
+        }
+    };
+    if value.trim().is_empty() {
+        return Ok(None);
+    }
+    match parse(value.trim()) {
+        Some(parsed) => Ok(Some(parsed)),
+        None => Err(Error::InvalidSetting { var, value, expected }),
+    }
+}
+
+/// The number of I/O threads: `$FASTSAFETENSORS_THREADS`, else 8.
+pub fn io_threads() -> Result<usize> {
+    Ok(setting(THREADS_ENV, "a whole number of threads from 1 to 1024", parse_threads)?.unwrap_or(DEFAULT_THREADS))
+}
+
+fn parse_threads(value: &str) -> Option<usize> {
+    value.parse::<usize>().ok().filter(|n| (1..=MAX_THREADS).contains(n))
+}
+
+/// Checks every setting the loader reads from the environment, so that a malformed one fails
+/// the load with an error naming it instead of being ignored or read only by some loads.
+pub fn check_env() -> Result<()> {
+    ReaderKind::resolve(None)?;
+    io_threads()?;
+    budget::limit_from_env()?;
+    budget::stream_limit_from_env()?;
+    // Read when GPUDirect Storage is tried; a path must name a file (a bare library name is
+    // left to the dynamic loader's search).
+    let library = |v: &str| (!v.contains('/') || Path::new(v).is_file()).then_some(());
+    setting(crate::cuda::cufile::CUFILE_ENV, "the path of an existing cuFile library (libcufile.so.0)", library)?;
+    Ok(())
 }
 
 /// How a file's bytes actually arrived.
@@ -93,6 +137,9 @@ pub enum ReadPath {
     MmapFallback,
     /// GPUDirect Storage, straight into device memory.
     Gds,
+    /// cuFile in compatibility mode: it emulates GPUDirect Storage with reads through host
+    /// memory (the nvidia-fs driver is not loaded, or cuFile is told so).
+    GdsCompat,
     /// Nothing: no tensor of the file was selected.
     NotRead,
 }
@@ -105,6 +152,7 @@ impl ReadPath {
             ReadPath::Mmap => "mmap",
             ReadPath::MmapFallback => "mmap-fallback",
             ReadPath::Gds => "gds",
+            ReadPath::GdsCompat => "gds-compat",
             ReadPath::NotRead => "none",
         }
     }
@@ -214,9 +262,10 @@ impl SourceFile {
     /// Reads and validates the header (two small reads; the data is not touched).
     pub fn header(&self) -> Result<Header> {
         let format_err = |source| Error::Format { path: self.path.clone(), source };
-        let mut prefix = [0u8; format::LEN_PREFIX as usize];
+        // More than the 8-byte length, so that a file of another format can be named.
+        let mut prefix = [0u8; format::SNIFF_LEN];
         let got = self.read_at_most(&mut prefix, 0)?;
-        if got < prefix.len() && self.len >= format::LEN_PREFIX {
+        if (got as u64) < format::LEN_PREFIX && self.len >= format::LEN_PREFIX {
             return Err(Error::Truncated { path: self.path.clone(), at: got as u64, expected: self.len });
         }
         let len = format::header_len(&prefix[..got], self.len).map_err(format_err)?;
@@ -278,15 +327,44 @@ impl SourceFile {
 pub(crate) fn io_pool() -> &'static rayon::ThreadPool {
     static POOL: OnceLock<rayon::ThreadPool> = OnceLock::new();
     POOL.get_or_init(|| {
-        let threads = std::env::var(THREADS_ENV)
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|&n| n > 0)
-            .unwrap_or(DEFAULT_THREADS);
+        // Every load checks the variable before reading (`check_env`): the default stands in
+        // only if it turned malformed between that check and this first use.
+        let threads = io_threads().unwrap_or(DEFAULT_THREADS);
         rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("fastsafetensors-io-{i}"))
             .build()
             .expect("creating the I/O thread pool")
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn thread_counts_are_whole_numbers_from_one_to_the_limit() {
+        assert_eq!(parse_threads("1"), Some(1));
+        assert_eq!(parse_threads("64"), Some(64));
+        assert_eq!(parse_threads("1024"), Some(1024));
+        for bad in ["0", "-1", "1025", "abc", "8 threads", "2.5", ""] {
+            assert_eq!(parse_threads(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn reader_names() {
+        assert_eq!("mmap".parse::<ReaderKind>().unwrap(), ReaderKind::Mmap);
+        let err = "fast".parse::<ReaderKind>().unwrap_err().to_string();
+        assert!(err.contains("'fast'") && err.contains("'direct'"), "{err}");
+    }
+
+    #[test]
+    fn malformed_settings_name_the_variable_and_what_it_takes() {
+        let err = Error::InvalidSetting { var: THREADS_ENV, value: "abc".into(), expected: "a whole number" };
+        assert_eq!(
+            err.to_string(),
+            "FASTSAFETENSORS_THREADS='abc' is not valid: expected a whole number (or unset it for the default)"
+        );
+    }
 }

@@ -1,25 +1,52 @@
 """Validates the CUDA paths on a machine with a GPU: `make gpu-check`.
 
-1. Bit-exactness of every path (GPUDirect Storage where available, staged with O_DIRECT,
-   staged through the page cache) against safetensors, for every dtype, plus a file whose
-   tensors are misaligned and a dtype cast on the device.
-2. Memory accounting: device buffers show in torch.cuda.memory_allocated() and are freed
-   when the tensors die.
-3. Throughput, cold and warm, of each path against safetensors (safe_open(device="cuda")) and
-   the physical limits: the disk (dd iflag=direct) and pinned host-to-device copies.
+Every check prints one row of a single table — PASS, FAIL, or NOT RUN with the reason (a
+second GPU, the nvidia-fs driver, compute-sanitizer) — then the throughput table. Exits 1 if
+any check failed, 0 otherwise (also on machines without CUDA, where nothing can be checked).
 
-Exits 0 with a message on machines without CUDA; non-zero if any check fails.
+  correctness   every path (staged O_DIRECT, staged through the page cache, auto, GDS where
+                nvidia-fs is loaded) bit-exact for every dtype; misaligned tensors; a dtype
+                cast on the device; the path each file took
+  large file    a >= 1 GiB file of position-derived bytes, bit-compared on the device, with 1
+                and 16 I/O threads, through each staged path (the staging ring reused many
+                times over)
+  ordering      a load into memory that a queued kernel still writes (freed while the kernel
+                waits behind a sleep on torch's current stream, whose pool the memory returns
+                to) is exact; a kernel left running on another stream does not delay the load
+                (no device-wide synchronization)
+  devices       the caller's current device, context and new allocations are unchanged by a
+                load to another GPU; a load of no files touches only the requested GPU;
+                threads loading different files at once, on one GPU and on two
+  errors        a file truncated mid-load: a RuntimeError, device memory back to baseline,
+                and the next load and torch.cuda.synchronize() succeed; again under
+                compute-sanitizer (memcheck) when it is installed
+  memory        device buffers counted by torch.cuda.memory_allocated() and freed with their
+                tensors; with dtype=, memory held equals the returned tensors' sizes
+  staging       pinned staging buffers kept between loads and released on request; 20 small
+                loads timed with the pool and with re-allocation each time
+  GDS           nogds=False never reports "gds" where cuFile runs in compatibility mode; with
+                nvidia-fs: a > 512 MiB file into a fragmented allocator, to each GPU, with the
+                nvidia-fs read counters checked
+  throughput    cold and warm, each path against safetensors' safe_open(device="cuda") and
+                the limits (dd iflag=direct, pinned host-to-device), outputs compared
+
+Needs only torch, safetensors and the built package: on a machine without cargo, build the
+extension elsewhere and run `PYTHONPATH=python python tests/gpu/gpu_check.py`. Checks that need
+a process of their own run this file again as a child (`--child NAME`).
 """
 
 import argparse
+import ctypes
 import gc
 import json
 import os
+import shutil
 import statistics
 import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -29,19 +56,46 @@ from safetensors.torch import save_file
 
 import fastsafetensors_rs
 
+ops = torch.ops.fastsafetensors
 DTYPES = [
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.bool,
     torch.complex64, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
     torch.float8_e5m2fnuz, torch.float8_e8m0fnu, torch.float4_e2m1fn_x2,
 ]
-FAILURES = []
+NVFS_STATS = "/proc/driver/nvidia-fs/stats"
+STAGED = [("staged-direct", dict(reader="direct", nogds=True), "direct"),
+          ("staged-buffered", dict(reader="mmap", nogds=True), "buffered")]
+ROWS = []  # (section, status, check, detail)
 
 
-def check(ok: bool, what: str) -> None:
-    print(("  ok    " if ok else "  FAIL  ") + what)
-    if not ok:
-        FAILURES.append(what)
+def row(section: str, ok, check: str, detail: str = "") -> None:
+    """One row of the table. `ok` is True, False, or a string: why the check did not run."""
+    status = "PASS" if ok is True else "FAIL" if ok is False else "NOT RUN"
+    if isinstance(ok, str):
+        detail = ok + (f"; {detail}" if detail else "")
+    ROWS.append((section, status, check, detail))
+    print(f"  {status:<8}{check}" + (f"  ({detail})" if detail else ""), flush=True)
+
+
+def guarded(section: str, check: str):
+    """Runs a check; an exception is its failure, not the end of the run."""
+    def wrap(fn):
+        def run(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - every failure becomes a row
+                row(section, False, check, f"{type(e).__name__}: {e}"[:300])
+        return run
+    return wrap
+
+
+def gpus() -> int:
+    return torch.cuda.device_count()
+
+
+def nvidia_fs() -> bool:
+    return os.path.exists(NVFS_STATS)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -50,7 +104,32 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(as_bytes(a).cpu(), as_bytes(b).cpu())
+    """Same dtype, shape and bytes (compared on a's device)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(as_bytes(a), as_bytes(b).to(a.device))
+
+
+def load(files, device="cuda", **kwargs):
+    """The op itself, so that the path each file took is known."""
+    files = [files] if isinstance(files, str) else files
+    return ops.load_with_report(files, device, kwargs.get("dtype"), kwargs.get("reader"), kwargs.get("nogds"))
+
+
+def evict(files) -> None:
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def warm(files) -> None:
+    for f in files:
+        with open(f, "rb") as fh:
+            while fh.read(64 << 20):
+                pass
+
+
+# ---------------------------------------------------------------- files
 
 
 def all_dtypes_file(path: str) -> None:
@@ -61,6 +140,7 @@ def all_dtypes_file(path: str) -> None:
         if dtype == torch.bool:
             raw = raw % 2
         tensors[f"t{i}"] = raw.view(dtype) if dtype != torch.bool else raw.bool()
+    tensors["finite"] = torch.randn(1000, 3, generator=gen)
     tensors["empty"] = torch.empty(0, 5)
     tensors["scalar"] = torch.tensor(3.5, dtype=torch.float64)
     save_file(tensors, path)
@@ -84,14 +164,116 @@ def misaligned_file(path: str) -> dict:
     return data
 
 
-def paths_to_check() -> list:
-    """(label, load kwargs) for every CUDA path this machine can take."""
-    paths = [("staged-direct", dict(reader="direct", nogds=True)),
-             ("staged-buffered", dict(reader="mmap", nogds=True)),
-             ("auto", dict())]
-    if os.path.exists("/proc/driver/nvidia-fs/stats"):
-        paths.append(("gds", dict(nogds=False)))
-    return paths
+PATTERN_PARTS = 4
+
+
+def pattern_file(path: str, gib: float) -> None:
+    """`gib` GiB in PATTERN_PARTS int64 tensors; word i of the data section holds i."""
+    words = int(gib * (1 << 30)) // 8 // PATTERN_PARTS
+    save_file({f"part{k}": torch.arange(k * words, (k + 1) * words, dtype=torch.int64)
+               for k in range(PATTERN_PARTS)}, path)
+
+
+def pattern_exact(tensors: dict) -> bool:
+    """Compares on the device: no host copy of a gigabyte."""
+    words = tensors["part0"].numel()
+    for k in range(PATTERN_PARTS):
+        t = tensors[f"part{k}"]
+        expected = torch.arange(k * words, (k + 1) * words, dtype=torch.int64, device=t.device)
+        if not torch.equal(t, expected):
+            return False
+    return True
+
+
+# ---------------------------------------------------------------- children
+
+
+def run_child(name: str, *args, env=None, timeout=180, prefix=()) -> dict:
+    """Runs `--child name args` in a fresh process; returns its JSON result."""
+    here = os.path.dirname(os.path.abspath(fastsafetensors_rs.__file__))
+    child_env = dict(os.environ)
+    child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(here), os.environ.get("PYTHONPATH")]))
+    child_env.update(env or {})
+    cmd = [*prefix, sys.executable, os.path.abspath(__file__), "--child", name, *map(str, args)]
+    try:
+        # In the temp dir: cuFile writes its cufile.log into the working directory.
+        done = subprocess.run(cmd, env=child_env, capture_output=True, text=True, timeout=timeout,
+                              cwd=tempfile.gettempdir())
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    if not lines:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        return {"error": f"exit {done.returncode}: {' | '.join(tail)}", "output": done.stdout + done.stderr}
+    result = json.loads(lines[-1][len("RESULT "):])
+    result["output"] = done.stdout + done.stderr
+    return result
+
+
+def child_pattern(path: str) -> dict:
+    """Loads the pattern file through each staged path (cold); threads come from the env."""
+    out = {}
+    for label, kwargs, expected in STAGED:
+        evict([path])
+        start = time.perf_counter()
+        tensors, taken = load(path, **kwargs)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        out[label] = {"taken": taken, "expected": expected, "exact": pattern_exact(tensors), "seconds": seconds}
+        del tensors
+    return out
+
+
+def child_truncate(path: str, pattern: str) -> dict:
+    """Truncates `path` (a copy of the pattern file) while it loads cold."""
+    torch.cuda.init()
+    baseline = torch.cuda.memory_allocated()
+    error = None
+    for delay in (0.15, 0.05, 0.01, 0.0):
+        shutil.copyfile(pattern, path)
+        evict([path])
+        timer = threading.Timer(delay, lambda: os.truncate(path, os.path.getsize(path) // 2))
+        timer.start()
+        try:
+            tensors, _ = load(path, reader="direct", nogds=True)
+            del tensors
+        except RuntimeError as e:
+            error = str(e)
+        timer.join()
+        if error:
+            break
+    gc.collect()
+    left = torch.cuda.memory_allocated() - baseline
+    tensors, taken = load(pattern, reader="direct", nogds=True)
+    next_ok = pattern_exact(tensors)
+    del tensors
+    torch.cuda.synchronize()
+    return {"error": error and error[:200], "left": left, "next_ok": next_ok, "taken": taken, "synced": True}
+
+
+def child_gds_compat(path: str) -> dict:
+    tensors, taken = None, None
+    try:
+        tensors, taken = load(path, nogds=False)
+    except RuntimeError as e:
+        return {"refused": str(e)[:200]}
+    return {"taken": taken, "exact": pattern_exact(tensors)}
+
+
+def child_no_files(path: str) -> dict:
+    """With two GPUs: current device 1, a load of nothing and of a file to "cuda"."""
+    torch.cuda.set_device(1)
+    empty, _ = load([], "cuda")
+    tensors, _ = load(path, "cuda")
+    return {"empty": len(empty), "on": sorted({t.device.index for t in tensors.values()}),
+            "gpu0_context": bool(torch._C._cuda_hasPrimaryContext(0))}
+
+
+CHILDREN = {"pattern": child_pattern, "truncate": child_truncate, "gds_compat": child_gds_compat,
+            "no_files": child_no_files}
+
+
+# ---------------------------------------------------------------- checks
 
 
 def correctness(tmp: str) -> None:
@@ -99,22 +281,194 @@ def correctness(tmp: str) -> None:
     path = os.path.join(tmp, "all.safetensors")
     all_dtypes_file(path)
     ref = st_load_file(path)
-    for label, kwargs in paths_to_check():
-        got, taken = fastsafetensors_rs.ops.load_with_report([path], "cuda", None, kwargs.get("reader"), kwargs.get("nogds"))
-        check(all(t.is_cuda for t in got.values()), f"{label}: every tensor on cuda ({taken})")
-        check(got.keys() == ref.keys() and all(same(got[k], ref[k]) for k in ref), f"{label}: all dtypes bit-exact")
+    paths = [(label, kw, exp) for label, kw, exp in STAGED] + [("auto", {}, None)]
+    if nvidia_fs():
+        paths.append(("gds", dict(nogds=False), "gds"))
+    for label, kwargs, expected in paths:
+        got, taken = load(path, **kwargs)
+        exact = got.keys() == ref.keys() and all(same(got[k], ref[k]) for k in ref)
+        on_cuda = all(t.is_cuda for t in got.values())
+        row("correctness", exact and on_cuda, f"{label}: all dtypes bit-exact on cuda", f"path {taken}")
+        if expected:
+            row("correctness", taken == [expected], f"{label}: took the {expected} path", f"took {taken}")
     bad = os.path.join(tmp, "misaligned.safetensors")
     expected = misaligned_file(bad)
     got = fastsafetensors_rs.load_file(bad, device="cuda")
-    check(all(same(got[k], v) for k, v in expected.items()), "misaligned tensors bit-exact")
-    check(all(got[k].data_ptr() % got[k].element_size() == 0 for k in got), "misaligned tensors realigned")
+    row("correctness", all(same(got[k], v) for k, v in expected.items()), "misaligned tensors bit-exact")
+    row("correctness", all(got[k].data_ptr() % got[k].element_size() == 0 for k in got), "misaligned tensors realigned")
     got = fastsafetensors_rs.load_file(path, device="cuda", dtype=torch.float16)
-    check(got["t1"].dtype == torch.float16 and got["t1"].is_cuda and torch.equal(got["t1"].cpu(), ref["t1"].half()),
-          "dtype cast on the device")
+    # Random bytes viewed as float32 hold NaNs, whose payloads a cast need not keep: compare
+    # values, NaN equal to NaN, and a finite tensor exactly.
+    cast_ok = (got["t1"].dtype == torch.float16 and got["t1"].is_cuda
+               and torch.equal(got["finite"].cpu(), ref["finite"].half())
+               and torch.allclose(got["t1"].cpu().float(), ref["t1"].half().float(), rtol=0, atol=0, equal_nan=True))
+    row("correctness", cast_ok, "dtype cast on the device")
 
 
-def memory(tmp: str) -> None:
-    print("memory accounting")
+def large_file(pattern: str) -> None:
+    print("large file")
+    size = os.path.getsize(pattern) / (1 << 30)
+    for threads in (1, 16):
+        result = run_child("pattern", pattern, env={"FASTSAFETENSORS_THREADS": str(threads)})
+        if "error" in result:
+            row("large file", False, f"{size:.1f} GiB pattern, {threads} I/O thread(s)", result["error"])
+            continue
+        for label, r in result.items():
+            if label == "output":
+                continue
+            ok = r["exact"] and r["taken"] == [r["expected"]]
+            row("large file", ok, f"{size:.1f} GiB pattern, {threads} I/O thread(s), {label}: bit-exact",
+                f"path {r['taken']}, {size * (1 << 30) / r['seconds'] / 1e9:.2f} GB/s cold")
+
+
+def sleep_cycles_per_second() -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    torch.cuda._sleep(100_000_000)
+    torch.cuda.synchronize()
+    return 100_000_000 / (time.perf_counter() - start)
+
+
+@guarded("ordering", "a load into memory a queued kernel still writes")
+def ordering_reuse(path: str, cycles: float) -> None:
+    tensors, _ = load(path, nogds=True)
+    alloc = tensors["part0"].untyped_storage().nbytes()  # the file's whole buffer
+    del tensors
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    stale = torch.empty(alloc, dtype=torch.uint8, device="cuda")
+    address = stale.data_ptr()
+    torch.cuda._sleep(int(cycles * 0.5))  # on torch's current stream: the fill waits
+    stale.fill_(0xAB)
+    del stale  # the block goes back to the cache with its kernels still queued
+    tensors, taken = load(path, nogds=True)
+    reused = tensors["part0"].untyped_storage().data_ptr() == address
+    exact = pattern_exact(tensors)
+    if not reused:
+        row("ordering", False, "a load into memory a queued kernel still writes",
+            "setup: the caching allocator did not hand the freed block back")
+    else:
+        row("ordering", exact, "a load into memory a queued kernel still writes: bit-exact", f"path {taken}")
+
+
+@guarded("ordering", "a kernel running on another stream does not delay the load")
+def ordering_unrelated(path: str, cycles: float) -> None:
+    warm([path])
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(int(cycles * 3))  # about 3 s
+    start = time.perf_counter()
+    tensors, _ = load(path, nogds=True)
+    seconds = time.perf_counter() - start
+    still_running = not side.query()
+    exact = pattern_exact(tensors)
+    side.synchronize()
+    row("ordering", still_running and seconds < 2.5 and exact,
+        "a kernel running on another stream does not delay the load",
+        f"load took {seconds:.2f} s beside a 3 s kernel, which was {'still' if still_running else 'no longer'} running")
+
+
+def libcuda():
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+    return lib
+
+
+def current_context() -> int:
+    ctx = ctypes.c_void_p()
+    libcuda().cuCtxGetCurrent(ctypes.byref(ctx))
+    return ctx.value or 0
+
+
+@guarded("devices", "a load to cuda:1 leaves the caller on cuda:0")
+def devices_current(path: str) -> None:
+    check = "set_device(0), load to cuda:1: current device, context and new tensors stay on 0"
+    if gpus() < 2:
+        row("devices", "needs 2 GPUs", check)
+        return
+    torch.cuda.set_device(0)
+    torch.empty(1, device="cuda")
+    before = current_context()
+    tensors, _ = load(path, "cuda:1")
+    where = {t.device.index for t in tensors.values()}
+    after = current_context()
+    fresh = torch.empty(1, device="cuda").device.index
+    ok = torch.cuda.current_device() == 0 and fresh == 0 and after == before and where == {1} and pattern_exact(tensors)
+    row("devices", ok, check, f"current {torch.cuda.current_device()}, new tensor on {fresh}, "
+        f"context {'unchanged' if after == before else 'CHANGED'}, loaded to {sorted(where)}")
+
+
+@guarded("devices", "a load of no files touches only the requested GPU")
+def devices_no_files(path: str) -> None:
+    check = 'current device 1: load([]) and load(file) to "cuda" leave GPU 0 without a context'
+    if gpus() < 2:
+        row("devices", "needs 2 GPUs", check)
+        return
+    r = run_child("no_files", path)
+    if "error" in r:
+        row("devices", False, check, r["error"])
+        return
+    row("devices", r["empty"] == 0 and r["on"] == [1] and not r["gpu0_context"], check,
+        f"loaded to {r['on']}, GPU 0 context {'created' if r['gpu0_context'] else 'none'}")
+
+
+def devices_threads(files: list, spread: int) -> None:
+    check = f"{len(files)} threads loading different files at once to {spread} GPU(s)"
+    if gpus() < spread:
+        row("devices", f"needs {spread} GPUs", check)
+        return
+    results = [None] * len(files)
+
+    def work(i: int) -> None:
+        try:
+            torch.cuda.set_device(0)
+            tensors, _ = load(files[i], f"cuda:{i % spread}")
+            results[i] = (pattern_exact(tensors) and {t.device.index for t in tensors.values()} == {i % spread}
+                          and torch.cuda.current_device() == 0)
+        except Exception as e:  # noqa: BLE001
+            results[i] = f"{type(e).__name__}: {e}"
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(files))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    row("devices", all(r is True for r in results), check, "" if all(r is True for r in results) else str(results))
+
+
+@guarded("errors", "a file truncated mid-load")
+def errors_truncated(tmp: str, pattern: str, small_pattern: str) -> None:
+    target = os.path.join(tmp, "truncated.safetensors")
+    r = run_child("truncate", target, pattern)
+    report_truncation(r, "a file truncated mid-load")
+    sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    check = "the same under compute-sanitizer memcheck: no errors"
+    if not os.path.exists(sanitizer):
+        row("errors", "compute-sanitizer not installed", check)
+        return
+    r = run_child("truncate", target, small_pattern, timeout=300,
+                  prefix=(sanitizer, "--tool", "memcheck", "--leak-check", "no", "--error-exitcode", "0"))
+    summary = [ln for ln in r.get("output", "").splitlines() if "ERROR SUMMARY" in ln]
+    clean = bool(summary) and summary[-1].split("ERROR SUMMARY:")[1].strip().startswith("0 ")
+    report_truncation(r, "a file truncated mid-load, under compute-sanitizer")
+    errors = [ln for ln in r.get("output", "").splitlines() if ln.startswith("========= ") and "Error" in ln][:3]
+    row("errors", clean, check, (summary[-1] if summary else "no summary") + ("; " + " | ".join(errors) if errors else ""))
+
+
+def report_truncation(r: dict, check: str) -> None:
+    if "error" in r and "left" not in r:
+        row("errors", False, check, r["error"])
+        return
+    # Truncated (a read came back short) or changed (the reads were done, the size check caught it).
+    caught = bool(r["error"]) and ("truncated" in r["error"] or "changed" in r["error"])
+    row("errors", caught, f"{check}: RuntimeError", r["error"] or "no error")
+    row("errors", r["left"] == 0, f"{check}: memory back to baseline", f"{r['left']} bytes left")
+    row("errors", r["next_ok"] and r["synced"], f"{check}: next load exact, synchronize() fine", f"path {r['taken']}")
+
+
+@guarded("memory", "device memory accounting")
+def memory_accounting(tmp: str) -> None:
     path = os.path.join(tmp, "mem.safetensors")
     save_file({f"w{i}": torch.empty(64 << 20, dtype=torch.uint8) for i in range(4)}, path)
     gc.collect()
@@ -123,40 +477,127 @@ def memory(tmp: str) -> None:
     tensors = fastsafetensors_rs.load_file(path, device="cuda")
     during = torch.cuda.memory_allocated()
     size = os.path.getsize(path)
-    check(during - before >= size, f"memory_allocated grew by {(during - before) >> 20} MiB for a {size >> 20} MiB file")
+    row("memory", during - before >= size, "memory_allocated counts the file's buffer",
+        f"grew {(during - before) >> 20} MiB for a {size >> 20} MiB file")
     del tensors
     gc.collect()
     after = torch.cuda.memory_allocated()
-    check(after - before < (1 << 20), f"memory_allocated back to baseline after the tensors died ({(after - before)} bytes left)")
+    row("memory", after - before < (1 << 20), "memory_allocated back to baseline when the tensors die",
+        f"{after - before} bytes left")
 
 
-def evict(files) -> None:
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
+def allocator_size(nbytes: int) -> int:
+    return (nbytes + 511) // 512 * 512
 
 
-def warm(files) -> None:
-    for f in files:
-        with open(f, "rb") as fh:
-            while fh.read(64 << 20):
-                pass
+@guarded("memory", "with dtype=, memory held equals the returned tensors")
+def memory_cast(tmp: str) -> None:
+    files = []
+    for i in range(2):
+        f = os.path.join(tmp, f"cast-{i}.safetensors")
+        save_file({f"w{i}": torch.randn(32 << 20), f"b{i}": torch.randn(4096), f"steps{i}": torch.arange(7)}, f)
+        files.append(f)
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    tensors, _ = load(files, dtype=torch.bfloat16)
+    held = torch.cuda.memory_allocated() - before
+    expected = sum(allocator_size(t.numel() * t.element_size()) for t in tensors.values())
+    ref = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for f in files for k, v in st_load_file(f).items()}
+    exact = all(same(tensors[k], ref[k]) for k in ref)
+    # Within the caching allocator's rounding; a file buffer kept alive would be 128 MiB.
+    row("memory", abs(held - expected) < (2 << 20) and exact,
+        "fp32 files with an integer tensor, dtype=bfloat16: memory held = tensors",
+        f"held {held} bytes, tensors {expected} bytes")
 
 
-def timed(fn, files, cold: bool, runs: int) -> float:
-    times = []
+@guarded("staging", "pinned staging pool")
+def staging(tmp: str) -> None:
+    path = os.path.join(tmp, "small.safetensors")
+    save_file({"w": torch.randn(256, 1024)}, path)
+    warm([path])
+    load(path, nogds=True)
+    kept = ops.release_staging_buffers()
+    none_left = ops.release_staging_buffers()
+    row("staging", kept > 0 and none_left == 0, "staging buffers kept after a load, released on request",
+        f"released {kept}, then {none_left}")
+
+    def timed(release: bool) -> float:
+        times = []
+        for _ in range(20):
+            if release:
+                ops.release_staging_buffers()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            tensors, _ = load(path, nogds=True)
+            times.append(time.perf_counter() - start)
+            del tensors
+        return statistics.median(times[1:]) * 1e3
+
+    pooled, fresh = timed(False), timed(True)
+    row("staging", pooled < fresh, "20 small loads: pooled staging faster than allocating it each time",
+        f"median {pooled:.2f} ms pooled, {fresh:.2f} ms re-allocating")
+
+
+def nvfs_read_mib() -> tuple:
+    """(reads ok, read MiB, read errors) from the nvidia-fs counters."""
+    with open(NVFS_STATS) as f:
+        for line in f:
+            if line.strip().startswith("Reads"):
+                fields = dict(kv.split("=") for kv in line.split(":", 1)[1].replace(",", " ").split() if "=" in kv)
+                return int(fields.get("ok", 0)), int(fields.get("MiB", fields.get("readMiB", 0))), int(fields.get("err", 0))
+    return 0, 0, 0
+
+
+@guarded("GDS", "GPUDirect Storage")
+def gds(tmp: str, pattern: str) -> None:
+    check = 'nogds=False where cuFile runs in compatibility mode: refused or "gds-compat", never "gds"'
+    if nvidia_fs():
+        row("GDS", "nvidia-fs loaded: compatibility mode not expected", check)
+    else:
+        r = run_child("gds_compat", pattern, timeout=180)
+        if "error" in r:
+            row("GDS", False, check, r["error"])
+        elif "refused" in r:
+            row("GDS", True, check, f"refused: {r['refused']}")
+        else:
+            row("GDS", r["taken"] == ["gds-compat"] and r["exact"], check, f"path {r['taken']}, exact {r['exact']}")
+    for device in range(2):
+        check = f"> 512 MiB file into a fragmented allocator on cuda:{device}: bit-exact, nvidia-fs counted the reads"
+        if not nvidia_fs():
+            row("GDS", "nvidia-fs not loaded", check)
+            continue
+        if device >= gpus():
+            row("GDS", "needs 2 GPUs", check)
+            continue
+        odd = [torch.empty((k * 7919 + 1) * 512, dtype=torch.uint8, device=f"cuda:{device}") for k in range(64)]
+        del odd[::2]
+        reads, mib, errs = nvfs_read_mib()
+        tensors, taken = load(pattern, f"cuda:{device}", nogds=False)
+        reads2, mib2, errs2 = nvfs_read_mib()
+        exact = pattern_exact(tensors)
+        size_mib = os.path.getsize(pattern) >> 20
+        row("GDS", exact and taken == ["gds"] and mib2 - mib >= size_mib - 1 and errs2 == errs, check,
+            f"path {taken}, nvidia-fs read {mib2 - mib} MiB in {reads2 - reads} reads, {errs2 - errs} errors")
+        del tensors, odd
+
+
+# ---------------------------------------------------------------- throughput
+
+
+def timed(fn, files, cold: bool, runs: int):
+    times, out = [], None
     for _ in range(runs):
+        out = None
+        gc.collect()
         (evict if cold else warm)(files)
         torch.cuda.synchronize()
         start = time.perf_counter()
         out = fn()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        del out
-        gc.collect()
-    return statistics.median(times)
+    return statistics.median(times), out
 
 
 def safetensors_to_cuda(files):
@@ -188,20 +629,35 @@ def h2d_bandwidth(nbytes: int) -> float:
     return 3 * nbytes / (time.perf_counter() - start)
 
 
+@guarded("throughput", "throughput")
 def throughput(tmp: str, size_gb: float, runs: int) -> None:
     print(f"throughput ({size_gb} GB in 4 files, median of {runs})")
     per_file = int(size_gb * 1e9 / 4)
     files = []
+    gen = torch.Generator().manual_seed(1)
     for i in range(4):
         f = os.path.join(tmp, f"bench-{i}.safetensors")
-        rows = per_file // (4096 * 2)
-        save_file({f"layer{i}.w{j}": torch.empty(rows // 8, 4096, dtype=torch.bfloat16) for j in range(8)}, f)
+        rows = per_file // (4096 * 2) // 8
+        save_file({f"layer{i}.w{j}": torch.randint(-30000, 30000, (rows, 4096), dtype=torch.int16, generator=gen)
+                   .view(torch.bfloat16) for j in range(8)}, f)
         files.append(f)
     nbytes = sum(map(os.path.getsize, files))
-    loaders = {label: (lambda kw=kw: fastsafetensors_rs.load(files, device="cuda", **kw)) for label, kw in paths_to_check()}
+    loaders = {label: (lambda kw=kw: load(files, **kw)[0]) for label, kw, _ in STAGED}
+    loaders["auto"] = lambda: load(files)[0]
+    if nvidia_fs():
+        loaders["gds"] = lambda: load(files, nogds=False)[0]
     loaders["safetensors"] = lambda: safetensors_to_cuda(files)
-    results = {(name, temp): nbytes / timed(fn, files, temp == "cold", runs) / 1e9
-               for name, fn in loaders.items() for temp in ("cold", "warm")}
+    reference = safetensors_to_cuda(files)
+    results = {}
+    for name, fn in loaders.items():
+        for temp in ("cold", "warm"):
+            seconds, out = timed(fn, files, temp == "cold", runs)
+            results[(name, temp)] = nbytes / seconds / 1e9
+            if temp == "warm" and name != "safetensors":
+                row("throughput", out.keys() == reference.keys() and all(same(out[k], reference[k]) for k in reference),
+                    f"{name}: benchmark output identical to safetensors'")
+            del out
+    del reference
     disk, h2d = dd_bandwidth(files) / 1e9, h2d_bandwidth(1 << 30) / 1e9
     print(f"  limits: disk (dd iflag=direct) {disk:.2f} GB/s, pinned host->device {h2d:.2f} GB/s")
     print(f"  {'loader':<18}{'cold GB/s':>10}{'warm GB/s':>10}{'cold/limit':>11}{'warm/h2d':>9}{'cold/st':>8}{'warm/st':>8}")
@@ -216,22 +672,69 @@ def throughput(tmp: str, size_gb: float, runs: int) -> None:
     print(f"  target >= 4.8 x safetensors (cold): {'PASS' if best >= 4.8 * results[('safetensors', 'cold')] else 'MISS'}")
 
 
+def print_table() -> None:
+    width = max(len(r[2]) for r in ROWS)
+    print("\n" + "=" * (width + 40))
+    print(f"{'section':<12}{'status':<9}{'check':<{width}}  detail")
+    print("-" * (width + 40))
+    for section, status, check, detail in ROWS:
+        print(f"{section:<12}{status:<9}{check:<{width}}  {detail}")
+    counts = {s: sum(1 for r in ROWS if r[1] == s) for s in ("PASS", "FAIL", "NOT RUN")}
+    print("-" * (width + 40))
+    print(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['NOT RUN']} not run")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size-gb", type=float, default=4.0, help="checkpoint size for the throughput table")
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--size-gb", type=float, default=2.0, help="checkpoint size for the throughput table")
+    parser.add_argument("--pattern-gib", type=float, default=1.0, help="size of the large pattern file")
+    parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--dir", default=None, help="where to write test files (default: a temp dir on disk)")
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        result = CHILDREN[args.child[0]](*args.child[1:])
+        print("RESULT " + json.dumps(result), flush=True)
+        return 0
     if not torch.cuda.is_available():
         print("gpu-check: no CUDA device here; nothing to validate (run this on a GPU machine)")
         return 0
-    print(f"device: {torch.cuda.get_device_name()}, GDS (nvidia-fs): {os.path.exists('/proc/driver/nvidia-fs/stats')}")
+    started = time.perf_counter()
+    print(f"device: {torch.cuda.get_device_name()} x {gpus()}, torch {torch.__version__}, "
+          f"GDS (nvidia-fs): {nvidia_fs()}")
     with tempfile.TemporaryDirectory(dir=args.dir or os.getcwd()) as tmp:
-        correctness(tmp)
-        memory(tmp)
+        guarded("correctness", "correctness")(correctness)(tmp)
+        pattern = os.path.join(tmp, "pattern.safetensors")
+        pattern_file(pattern, args.pattern_gib)
+        small_pattern = os.path.join(tmp, "pattern-small.safetensors")
+        pattern_file(small_pattern, 0.25)
+        guarded("large file", "large file")(large_file)(pattern)
+        print("ordering")
+        cycles = sleep_cycles_per_second()
+        ordering_reuse(small_pattern, cycles)
+        ordering_unrelated(small_pattern, cycles)
+        print("devices")
+        devices_current(small_pattern)
+        devices_no_files(small_pattern)
+        copies = []
+        for i in range(4):
+            copies.append(os.path.join(tmp, f"thread-{i}.safetensors"))
+            shutil.copyfile(small_pattern, copies[-1])
+        guarded("devices", "threads on one GPU")(devices_threads)(copies, 1)
+        guarded("devices", "threads on two GPUs")(devices_threads)(copies, 2)
+        print("errors")
+        errors_truncated(tmp, pattern, small_pattern)
+        print("memory")
+        memory_accounting(tmp)
+        memory_cast(tmp)
+        print("staging")
+        staging(tmp)
+        print("GDS")
+        gds(tmp, pattern)
         throughput(tmp, args.size_gb, args.runs)
-    print("FAILED: " + "; ".join(FAILURES) if FAILURES else "all checks passed")
-    return 1 if FAILURES else 0
+    print_table()
+    print(f"gpu-check took {time.perf_counter() - started:.0f} s")
+    return 1 if any(r[1] == "FAIL" for r in ROWS) else 0
 
 
 if __name__ == "__main__":

@@ -188,6 +188,10 @@ def test_missing_file(tmp_path, entry):
     check_error(info, path, r"no such file|not found|does not exist")
 
 
+# Entry points that read one file; the others load checkpoint directories (test_checkpoints.py).
+SINGLE_FILE = {"keys", "metadata", "safe_open", "fastsafe_open", "SafeTensorsFileLoader"}
+
+
 @pytest.mark.parametrize("entry", list(ENTRY_POINTS))
 def test_directory_instead_of_file(tmp_path, entry):
     path = tmp_path / "a_directory.safetensors"
@@ -195,147 +199,98 @@ def test_directory_instead_of_file(tmp_path, entry):
     call, errors = ENTRY_POINTS[entry]
     with pytest.raises(errors) as info:
         call(str(path))
-    check_error(info, str(path), r"directory|not a (regular )?file")
+    if entry in SINGLE_FILE:
+        check_error(info, str(path), r"is a directory, but safe_open, keys\(\) and metadata\(\) read one "
+                    r"\.safetensors file: pass one of its files, or load the whole checkpoint with load\(\)/load_file\(\)")
+    else:  # a load takes the directory, which holds nothing to load
+        check_error(info, str(path), r"no \*\.safetensors files and no \*\.safetensors\.index\.json in this directory")
 
 
-@pytest.mark.parametrize("reader", U.READERS)
-def test_duplicate_name_across_files(tmp_path, reader):
-    a = U.write_checkpoint(tmp_path / "a.safetensors", {"shared.weight": torch.ones(2), "a": torch.ones(1)})
-    b = U.write_checkpoint(tmp_path / "b.safetensors", {"b": torch.ones(1), "shared.weight": torch.zeros(2)})
+# ---------------------------------------------------------------- files of other formats
+
+CONVERT = r"load it with torch\.load, or convert it to \.safetensors \(safetensors\.torch\.save_file\)"
+JSON_HINT = (r"it is JSON text\. A checkpoint index \(\*\.safetensors\.index\.json\) loads with load\(\)/load_file\(\) "
+             r"\(pass the index or its directory\); safe_open opens one of the shards it lists")
+
+
+def _torch_zip(path):
+    torch.save({"w": torch.ones(3)}, path)
+
+
+def _torch_pickle(path):
+    torch.save({"w": torch.ones(3)}, path, _use_new_zipfile_serialization=False)
+
+
+def _writer(data: bytes):
+    return lambda path: path.write_bytes(data)
+
+
+# id -> (file name, writer, what the message must say after "not a safetensors file: ")
+FOREIGN = {
+    "torch_zip_bin": ("pytorch_model.bin", _torch_zip,
+                      r"it looks like a PyTorch zip checkpoint \(torch\.save\); " + CONVERT),
+    "torch_zip_pt": ("model.pt", _torch_zip, r"it looks like a PyTorch zip checkpoint \(torch\.save\); " + CONVERT),
+    "torch_pickle": ("legacy.pt", _torch_pickle,
+                     r"it looks like a PyTorch pickle checkpoint \(torch\.save, legacy format\); " + CONVERT),
+    "text": ("README.safetensors", _writer(b"These are not the weights you are looking for.\n"), r"it is text(\n|$)"),
+    "json": ("weights.safetensors", _writer(b'{"weight_map": {"w": "model.safetensors"}}'), JSON_HINT),
+    "git_lfs_pointer": ("model.safetensors", _writer(
+        b"version https://git-lfs.github.com/spec/v1\noid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daa"
+        b"a5e2ca24d17e2393\nsize 548105171\n"),
+        r"it is a Git LFS pointer, not the data: fetch the file itself \(git lfs pull\)"),
+}
+
+
+@pytest.fixture(scope="module")
+def foreign_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("foreign")
+    for case, (name, write, _) in FOREIGN.items():
+        (d / case).mkdir()
+        write(d / case / name)
+    return d
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+@pytest.mark.parametrize("case", list(FOREIGN))
+def test_file_of_another_format(foreign_dir, case, entry):
+    name, _, hint = FOREIGN[case]
+    path = str(foreign_dir / case / name)
+    call, errors = ENTRY_POINTS[entry]
+    with pytest.raises(errors) as info:
+        call(path)
+    check_error(info, path, re.escape(f"{path}: not a safetensors file: ") + hint)
+    assert "header length" not in str(info.value)
+
+
+def test_torch_checkpoint_message_in_full(foreign_dir):
+    path = foreign_dir / "torch_zip_bin" / "pytorch_model.bin"
     with pytest.raises(RuntimeError) as info:
-        ops.load([str(a), str(b)], "cpu", None, reader)
-    msg = str(info.value)
-    assert "shared.weight" in msg and str(a) in msg and str(b) in msg, msg
-    assert re.search("duplicate", msg, re.IGNORECASE), msg
-    with pytest.raises(PY_ERRORS) as info:
-        fastsafetensors_rs.load([str(a), str(b)], reader=reader)
-    msg = str(info.value)
-    assert "shared.weight" in msg and str(a) in msg and str(b) in msg, msg
+        fastsafetensors_rs.load_file(path)
+    assert str(info.value) == (
+        f"{path}: not a safetensors file: it looks like a PyTorch zip checkpoint (torch.save); load it with "
+        "torch.load, or convert it to .safetensors (safetensors.torch.save_file)")
+    # What safetensors itself says, for comparison: it too refuses the file.
+    from safetensors.torch import load_file as st_load_file
+
+    with pytest.raises(Exception):
+        st_load_file(str(path))
 
 
-def test_same_file_twice_is_a_duplicate(tmp_path):
-    a = U.write_checkpoint(tmp_path / "a.safetensors", {"w": torch.ones(2)})
-    with pytest.raises(RuntimeError) as info:
-        ops.load([str(a), str(a)])
-    assert "w" in str(info.value) and str(a) in str(info.value)
+def test_index_given_to_single_file_readers(tmp_path):
+    """An index is a checkpoint to load, and a JSON file to safe_open: the message says so."""
+    U.write_checkpoint(tmp_path / "model.safetensors", {"w": torch.ones(2)})
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {"w": "model.safetensors"}}))
+    for call in (lambda p: fastsafetensors_rs.safe_open(p), ops.keys, ops.metadata):
+        with pytest.raises(RuntimeError) as info:
+            call(str(index))
+        check_error(info, str(index), re.escape(f"{index}: not a safetensors file: ") + JSON_HINT)
+    assert torch.equal(fastsafetensors_rs.load_file(index)["w"], torch.ones(2))
 
 
-@pytest.mark.parametrize("reader", U.READERS)
-def test_error_names_the_bad_file_of_several(tmp_path, bad_dir, reader):
-    good = U.write_checkpoint(tmp_path / "good.safetensors", {"g": torch.ones(3)})
-    bad = str(bad_dir / "gap_between_tensors.safetensors")
-    with pytest.raises(RuntimeError) as info:
-        ops.load([str(good), bad], "cpu", None, reader)
-    check_error(info, bad, r"gap", "b")
-    with pytest.raises(RuntimeError) as info:
-        ops.load([bad, str(good)], "cpu", None, reader)
-    check_error(info, bad, r"gap", "b")
-
-
-def test_loading_works_after_errors(tmp_path, bad_dir):
-    for case in BAD_FILES:
-        with pytest.raises(RuntimeError):
-            ops.load([str(bad_dir / f"{case}.safetensors")])
-    tensors = {"x": U.random_tensor(torch.bfloat16, (40, 40), 1)}
-    good = U.write_checkpoint(tmp_path / "good.safetensors", tensors)
-    for reader in U.READERS:
-        U.assert_same_dict(ops.load([str(good)], "cpu", None, reader), tensors)
-
-
-# ---------------------------------------------------------------- valid edge cases
-
-
-@pytest.mark.parametrize("reader", U.READERS)
-def test_empty_object_file_loads_empty(tmp_path, reader):
-    path = U.write_raw(tmp_path / "empty.safetensors", b"{}")
-    assert path.stat().st_size == 10
-    assert ops.load([str(path)], "cpu", None, reader) == {}
-    tensors, paths = ops.load_with_report([str(path)], "cpu", None, reader)
-    assert tensors == {} and paths == ["none"], "a file without tensors has nothing to read"
-    assert ops.keys(str(path)) == []
-    assert ops.metadata(str(path)) is None
-    assert fastsafetensors_rs.load_file(path, reader=reader) == {}
-
-
-@pytest.mark.parametrize("reader", U.READERS)
-def test_hand_written_zero_sized_tensors(tmp_path, reader):
-    header = {
-        "a": {"dtype": "F32", "shape": [0, 3], "data_offsets": [0, 0]},
-        "b": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]},
-        "c": {"dtype": "F16", "shape": [4, 0], "data_offsets": [2, 2]},
-        "s": {"dtype": "I64", "shape": [], "data_offsets": [2, 10]},
-    }
-    data = bytes([7, 9]) + struct.pack("<q", -42)
-    path = U.write_raw(tmp_path / "zeros.safetensors", header, data)
-    got = ops.load([str(path)], "cpu", None, reader)
-    assert sorted(got) == ["a", "b", "c", "s"]
-    assert got["a"].shape == (0, 3) and got["a"].dtype == torch.float32
-    assert got["c"].shape == (4, 0) and got["c"].dtype == torch.float16
-    assert got["b"].tolist() == [7, 9]
-    assert got["s"].shape == () and got["s"].item() == -42
-
-
-@pytest.mark.parametrize("reader", U.READERS)
-def test_whitespace_padded_header_is_valid(tmp_path, reader):
-    header, data, _ = U.layout([("x", torch.arange(6, dtype=torch.int16))])
-    path = U.write_raw(tmp_path / "padded.safetensors", U.header_bytes(header) + b"   \n\t ", data)
-    U.assert_same_dict(ops.load([str(path)], "cpu", None, reader), {"x": torch.arange(6, dtype=torch.int16)})
-
-
-def test_header_of_exactly_the_file(tmp_path):
-    """A header that ends exactly at the end of the file, with no tensors, is valid."""
-    path = U.write_raw(tmp_path / "meta_only.safetensors", {"__metadata__": {"k": "v"}})
-    assert ops.load([str(path)]) == {}
-    assert ops.metadata(str(path)) == {"k": "v"}
-
-
-# ---------------------------------------------------------------- the process survives
-
-
-def test_every_error_in_one_process(bad_dir, tmp_path):
-    """Runs every malformed file through every entry point in a fresh interpreter, which
-    must report each error as an exception and exit normally."""
-    good = U.write_checkpoint(tmp_path / "good.safetensors", {"w": torch.arange(12.0).reshape(3, 4)})
-    missing = tmp_path / "missing.safetensors"
-    directory = tmp_path / "dir.safetensors"
-    directory.mkdir()
-    files = [str(bad_dir / f"{case}.safetensors") for case in BAD_FILES] + [str(missing), str(directory)]
-    proc = U.run_python(
-        """
-        import json, sys, torch, fastsafetensors_rs
-        ops = torch.ops.fastsafetensors
-        files, good = json.loads(sys.argv[1]), sys.argv[2]
-
-        def safe_open_all(p):
-            with fastsafetensors_rs.safe_open(p) as f:
-                for k in f.keys():
-                    f.get_tensor(k)
-
-        calls = [
-            lambda p: ops.load([p], "cpu", None, "auto"),
-            lambda p: ops.load([p], "cpu", None, "direct"),
-            lambda p: ops.load([p], "cpu", None, "mmap"),
-            lambda p: ops.load_with_report([p]),
-            lambda p: ops.keys(p),
-            lambda p: ops.metadata(p),
-            lambda p: fastsafetensors_rs.load_file(p),
-            safe_open_all,
-        ]
-        raised = 0
-        for p in files:
-            for call in calls:
-                try:
-                    call(p)
-                except (RuntimeError, ValueError, OSError) as e:
-                    assert p in str(e), (p, str(e))
-                    raised += 1
-                else:
-                    raise SystemExit(f"no error for {p}")
-        out = ops.load([good])
-        assert torch.equal(out["w"], torch.arange(12.0).reshape(3, 4))
-        print("raised", raised)
-        """,
-        json.dumps(files), good,
-    )
-    out = U.check_output(proc)
-    assert f"raised {len(files) * 8}" in out
+def test_a_valid_file_is_never_taken_for_another_format(tmp_path):
+    """A header of 640 bytes: its length opens with 80 02, as a pickle does. It loads."""
+    raw = U.header_bytes({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})
+    path = U.write_raw(tmp_path / "pickle_like.safetensors", raw + b" " * (640 - len(raw)), struct.pack("<2f", 1.5, -2))
+    assert path.read_bytes()[:2] == b"\x80\x02"
+    assert fastsafetensors_rs.load_file(path)["w"].tolist() == [1.5, -2.0]

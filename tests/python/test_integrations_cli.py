@@ -179,7 +179,7 @@ def test_usage_errors(capsys, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     rc, _, err = run(capsys, "inspect", empty)
-    assert rc == 2 and "no .safetensors files" in err
+    assert rc == 2 and "no *.safetensors files and no *.safetensors.index.json in this directory" in err
     rc, _, err = run(capsys, "verify", tmp_path / "missing.index.json")
     assert rc == 2
     with pytest.raises(SystemExit) as info:
@@ -231,6 +231,97 @@ def test_bench_human_and_errors(capsys, model_dir, tmp_path):
     bad = U.write_raw(tmp_path / "bad.safetensors", b"[]")
     rc, _, err = run(capsys, "bench", bad)
     assert rc == 1 and str(bad) in err
+
+
+def test_bench_and_verify_on_a_device_that_is_not_there(model_dir):
+    """One line and exit status 2, not a traceback (here: no GPU; on a GPU machine, an index
+    past the last device)."""
+    import subprocess
+    import sys
+
+    d, _ = model_dir
+    count = torch.cuda.device_count()
+    device = "cuda" if count == 0 else f"cuda:{count}"
+    want = ("no CUDA device is visible (torch.cuda.device_count() is 0)" if count == 0
+            else f"there is no CUDA device {count} (torch sees {count})")
+    for command in ("bench", "verify"):
+        proc = subprocess.run([sys.executable, "-m", "fastsafetensors_rs", command, str(d), "--device", device],
+                              capture_output=True, text=True, env=U.subprocess_env(), timeout=120)
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr == f"python -m fastsafetensors_rs {command}: --device {device}: {want}\n"
+    proc = subprocess.run([sys.executable, "-m", "fastsafetensors_rs", "bench", str(d), "--device", "cpu:1"],
+                          capture_output=True, text=True, env=U.subprocess_env(), timeout=120)
+    assert proc.returncode == 2 and proc.stderr == (
+        "python -m fastsafetensors_rs bench: --device cpu:1: fastsafetensors: cannot load to device 'cpu:1': "
+        "there is one CPU device, 'cpu'\n")
+
+
+def test_a_load_failing_in_bench_is_one_line(capsys, model_dir, monkeypatch):
+    d, _ = model_dir
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("fastsafetensors: cannot load to cuda:0: CUDA: the CUDA driver (libcuda.so.1) is not installed")
+
+    monkeypatch.setattr(cli.api, "load", failing)
+    rc, out, err = run(capsys, "bench", d, "--repeat", "1", "--modes", "warm", "--no-safetensors")
+    assert rc == 1 and out == ""
+    assert err == ("python -m fastsafetensors_rs bench: fastsafetensors: cannot load to cuda:0: CUDA: the CUDA driver "
+                   "(libcuda.so.1) is not installed\n")
+
+
+@pytest.fixture(scope="module")
+def long_outputs(tmp_path_factory):
+    """Inputs whose listing is far longer than a pipe holds (64 KiB): a file of 5000 tensors
+    (inspect) and a directory of 1500 files (verify: one line per file)."""
+    d = tmp_path_factory.mktemp("long")
+    many = U.write_checkpoint(d / "many.safetensors", {f"layer.{i}.weight": torch.zeros(2) for i in range(5000)})
+    files = d / "files"
+    files.mkdir()
+    for i in range(1500):
+        U.write_checkpoint(files / f"part-{i:05d}-of-a-checkpoint-with-long-names.safetensors", {f"w{i}": torch.ones(1)})
+    return many, files
+
+
+def _piped(argv, close_at_once=False):
+    """Runs the CLI with stdout into a pipe whose reader takes one line (or nothing) and
+    leaves, as `| head -1` does; returns (first line, exit status, stderr)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "fastsafetensors_rs", *map(str, argv)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=U.subprocess_env())
+    first = b"" if close_at_once else proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=300)
+    return first, proc.returncode, err
+
+
+@pytest.mark.parametrize("case", ["inspect", "inspect_json", "verify"])
+def test_output_piped_into_head_ends_quietly(long_outputs, case):
+    """The tool stops with status 141 (as tools killed by SIGPIPE do) and prints nothing."""
+    many, files = long_outputs
+    argv = {"inspect": ["inspect", many], "inspect_json": ["inspect", "--json", many],
+            "verify": ["verify", "--no-progress", "--reader", "mmap", files]}[case]
+    first, rc, err = _piped(argv)
+    assert first and rc == 141 and err == "", (rc, err)
+
+
+def test_bench_into_a_closed_pipe_ends_quietly(model_dir):
+    """bench writes its report at the end, after the reader is gone."""
+    first, rc, err = _piped(["bench", model_dir[0], "--repeat", "1", "--modes", "warm", "--no-progress"],
+                            close_at_once=True)
+    assert rc == 141 and err == "", (rc, err)
+
+
+def test_inspect_summary_json_lists_no_tensors(capsys, model_dir):
+    d, _ = model_dir
+    rc, doc, _ = run_json(capsys, "inspect", "--summary", d)
+    assert rc == 0 and doc["totals"]["tensors"] == 6
+    assert all("tensors" not in f and f["totals"]["tensors"] > 0 for f in doc["files"])
+    rc, full, _ = run_json(capsys, "inspect", d)
+    assert all(len(f["tensors"]) == f["totals"]["tensors"] for f in full["files"])
+    assert {k: v for k, v in full.items() if k != "files"} == {k: v for k, v in doc.items() if k != "files"}
 
 
 # ------------------------------------------------------------------------ python -m

@@ -217,8 +217,8 @@ def test_log_env_var_turns_on_debug_logging(shards):
     U.check_output(quiet)
     assert "read with" not in quiet.stderr
     odd = U.run_python(code, *shards[0], env={"FASTSAFETENSORS_LOG": "chatty"})
-    U.check_output(odd)
-    assert "ignoring FASTSAFETENSORS_LOG" in odd.stderr
+    assert odd.returncode != 0  # a malformed setting is an error, not ignored
+    assert "FASTSAFETENSORS_LOG='chatty' is not valid: expected one of critical, debug" in odd.stderr
 
 
 # ------------------------------------------------------------------------ vLLM plugin

@@ -285,15 +285,18 @@ def test_max_memory_arguments_and_environment_are_validated(multi_file_model, mo
     for bad, error in ((-1, ValueError), (1.5, TypeError), (True, TypeError)):
         with pytest.raises(error, match="max_memory"):
             fastsafetensors_rs.stream(paths, max_memory=bad)
-    with pytest.raises(RuntimeError, match=r"max_memory=\"lots\": expected bytes"):
+    with pytest.raises(RuntimeError, match=r"max_memory='lots' is not valid: expected bytes"):
         fastsafetensors_rs.stream(paths, max_memory="lots")
     monkeypatch.setenv("FASTSAFETENSORS_MAX_MEMORY", "12 parsecs")
-    with pytest.raises(RuntimeError, match=r"FASTSAFETENSORS_MAX_MEMORY=\"12 parsecs\""):
+    with pytest.raises(RuntimeError, match=r"FASTSAFETENSORS_MAX_MEMORY='12 parsecs' is not valid"):
         fastsafetensors_rs.stream(paths)
-    # The argument wins over the variable; a good variable is taken.
-    U.assert_same_dict(dict(fastsafetensors_rs.stream(paths, max_memory="1MiB")), written(shards))
+    # A malformed setting fails every load, whatever it would have been used for.
+    with pytest.raises(RuntimeError, match=r"FASTSAFETENSORS_MAX_MEMORY='12 parsecs' is not valid"):
+        fastsafetensors_rs.load(paths)
+    # A good variable is taken, and the argument wins over it.
     monkeypatch.setenv("FASTSAFETENSORS_MAX_MEMORY", "256K")
     U.assert_same_dict(dict(fastsafetensors_rs.stream(paths)), written(shards))
+    U.assert_same_dict(dict(fastsafetensors_rs.stream(paths, max_memory="1MiB")), written(shards))
 
 
 STREAM_CHILD = """

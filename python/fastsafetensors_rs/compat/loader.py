@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .. import api as _api
+from .._dtypes import cast_dtype
 from .._ops import ops
 from .buffer import FileEntry, FilesBufferOnDevice, TensorEntry, TensorNotFoundError
 from .collectives import Group
@@ -270,11 +271,13 @@ class SafeTensorsFileLoader:
         Args:
             dtype: cast floating-point tensors (F16, BF16, F32, F64) to this dtype as they
                 load, before anything is sent; integer, bool and quantised tensors keep
-                theirs. A `DType` or a `torch.dtype`; `DType.AUTO` keeps every dtype.
+                theirs. One of F16, BF16, F32, F64 as a `DType`, a `torch.dtype` or a name;
+                other dtypes are refused (as by `fastsafetensors_rs.load`); `DType.AUTO`
+                keeps every dtype.
             use_buf_register, max_copy_block_size: accepted for compatibility; the core
                 plans its own reads.
         """
-        plan = self._plan(as_torch_dtype(dtype))
+        plan = self._plan(cast_dtype(as_torch_dtype(dtype)))  # refused on every rank alike
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         local, error = None, None

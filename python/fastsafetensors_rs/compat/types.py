@@ -11,7 +11,8 @@ from typing import Dict, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
-from .._dtypes import CASTABLE, DTYPES
+from .._dtypes import CASTABLE, DTYPES, dtype_from_name
+from .._ops import ops
 
 logger = logging.getLogger("fastsafetensors_rs.compat")
 
@@ -66,15 +67,17 @@ DTypeLike = Union[DType, torch.dtype, str, None]
 
 
 def as_torch_dtype(dtype: DTypeLike) -> Optional[torch.dtype]:
-    """A `DType`, `torch.dtype`, safetensors dtype name or None as a torch dtype;
-    None for `DType.AUTO` and None."""
+    """A `DType`, `torch.dtype`, dtype name (safetensors' "BF16" or torch's "bfloat16") or
+    None as a torch dtype; None for `DType.AUTO` and None."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     if isinstance(dtype, str):
-        try:
-            dtype = DType(dtype.upper())
-        except ValueError:
-            raise ValueError(f"unknown dtype {dtype!r}: use a DType or a torch.dtype") from None
+        if dtype.strip().upper() == DType.AUTO.value:
+            return None
+        named = dtype_from_name(dtype)
+        if named is None:
+            raise ValueError(f"unknown dtype {dtype!r}: use a DType or a torch.dtype")
+        return named
     if isinstance(dtype, DType):
         return dtype.torch_dtype
     raise TypeError(f"dtype must be a DType or a torch.dtype, not {type(dtype).__name__}")
@@ -138,10 +141,12 @@ def resolve_device(device: Device, rank_hints: Sequence[int] = ()) -> torch.devi
     failing with "invalid device ordinal" on the second node.
     """
     dev = _parse_device(device)
+    try:
+        ops.check_device(str(dev))  # the loader's rule: cpu or cuda[:N], one CPU device
+    except RuntimeError as e:
+        raise ValueError(str(e)) from None
     if dev.type == "cpu":
         return torch.device("cpu")
-    if dev.type != "cuda":
-        raise ValueError(f"device {str(dev)!r} is not supported: use 'cpu' or 'cuda[:index]'")
     count = torch.cuda.device_count()
     if dev.index is not None and 0 <= dev.index < count:
         return dev
