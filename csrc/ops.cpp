@@ -496,52 +496,135 @@ std::vector<std::string> selected(std::vector<std::string> files, std::optional<
 // A streaming load: `next()` returns the next group of tensors, in read order, as soon as
 // its bytes have arrived, while the reads of later groups go on in the background. Each
 // tensor keeps the buffer of its group alive; dropping the stream stops its reads.
+//
+// To the CPU, groups are read into host buffers within the memory budget. To a CUDA device,
+// each group gets an allocation of its own from torch's caching allocator (so torch's memory
+// statistics count it), and the copy of the next group, through the pinned staging ring,
+// runs while the caller works on the current one.
 class TensorStream : public torch::CustomClassHolder {
  public:
-  TensorStream(::rust::Box<rs::TensorStream> stream, c10::Device target, std::optional<at::ScalarType> dtype)
-      : stream_(std::move(stream)), target_(target), dtype_(dtype) {}
+  TensorStream(::rust::Box<rs::TensorStream> stream, std::optional<at::ScalarType> dtype)
+      : dtype_(dtype), target_(c10::kCPU), host_(std::move(stream)) {}
+
+  TensorStream(::rust::Box<rs::DeviceTensorStream> stream, c10::Device target, std::optional<at::ScalarType> dtype)
+      : dtype_(dtype), target_(target), device_(std::move(stream)) {}
 
   // The next group's names and tensors; None after the last.
   std::optional<NamedTensors> next() {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!call_rust([&] { return stream_->next_group(); })) return std::nullopt;
-    check_torch_types(stream_->group_tensors());
-    Wrapped wrapped;
-    wrapped.push(call_rust([&] { return stream_->group_buffer(); }), is_mapping(view_str(stream_->group_read_path())));
-    wrapped.add_tensors(stream_->group_tensors());
-    if (!target_.is_cuda()) return std::move(wrapped).finish(dtype_);
-    auto group = std::move(wrapped).finish(std::nullopt);
-    for (auto& t : std::get<1>(group)) t = cast(t.to(target_), dtype_);
-    return group;
+    return host_ ? next_host() : next_device();
   }
 
   // How the last group was read: "direct", "buffered", "mmap" or "mmap-fallback" ("" before
   // the first), and the index (-1 before the first) and path of its file.
   std::string read_path() {
     std::lock_guard<std::mutex> lock(mutex_);
-    return std::string(stream_->group_read_path());
+    return host_ ? std::string((*host_)->group_read_path()) : last_path_;
   }
 
   int64_t file_index() {
     std::lock_guard<std::mutex> lock(mutex_);
-    return stream_->group_file();
+    if (host_) return (*host_)->group_file();
+    return next_ == 0 ? -1 : call_rust([&] { return (*device_)->group_file(next_ - 1); });
   }
 
   std::string file_path() {
     std::lock_guard<std::mutex> lock(mutex_);
-    return std::string(stream_->group_path());
+    if (host_) return std::string((*host_)->group_path());
+    return next_ == 0 ? std::string() : std::string(call_rust([&] { return (*device_)->group_path(next_ - 1); }));
   }
 
-  int64_t tensor_count() { return static_cast<int64_t>(stream_->tensor_count()); }
-  int64_t byte_count() { return static_cast<int64_t>(stream_->byte_count()); }
+  int64_t tensor_count() {
+    return static_cast<int64_t>(host_ ? (*host_)->tensor_count() : (*device_)->tensor_count());
+  }
+
+  int64_t byte_count() { return static_cast<int64_t>(host_ ? (*host_)->byte_count() : (*device_)->byte_count()); }
 
  private:
+  std::optional<NamedTensors> next_host() {
+    auto& stream = *host_;
+    if (!call_rust([&] { return stream->next_group(); })) return std::nullopt;
+    check_torch_types(stream->group_tensors());
+    Wrapped wrapped;
+    wrapped.push(call_rust([&] { return stream->group_buffer(); }), is_mapping(view_str(stream->group_read_path())));
+    wrapped.add_tensors(stream->group_tensors());
+    return std::move(wrapped).finish(dtype_);
+  }
+
+  // A group's allocation and the event its copy is ordered after, kept until it has landed.
+  struct Submitted {
+    at::Tensor buffer;
+    std::unique_ptr<ReadyEvent> ready;
+  };
+
+  void submit(size_t k) {
+    auto& stream = *device_;
+    const auto len = static_cast<int64_t>(call_rust([&] { return stream->alloc_len(k); }));
+    Submitted s{at::empty({len}, at::TensorOptions(at::kByte).device(target_)), nullptr};
+    s.ready = std::make_unique<ReadyEvent>(target_);
+    const auto base = reinterpret_cast<uint64_t>(s.buffer.data_ptr());
+    call_rust([&] { return stream->submit(k, base, s.ready->handle()); });
+    submitted_.emplace(k, std::move(s));
+    in_flight_ += static_cast<uint64_t>(len);
+    ahead_ = k + 1;
+  }
+
+  std::optional<NamedTensors> next_device() {
+    const size_t count = (*device_)->group_count();
+    if (next_ >= count) return std::nullopt;
+    const size_t k = next_++;
+    try {
+      return group_on_device(k, count);
+    } catch (...) {
+      next_ = count;  // a stream stops at its first error, as the host one does
+      throw;
+    }
+  }
+
+  NamedTensors group_on_device(size_t k, size_t count) {
+    auto& stream = *device_;
+    if (k >= ahead_) submit(k);
+    // Later groups are copied while the caller works on this one: as many as the budget
+    // allows, at least the next.
+    const uint64_t budget = stream->budget();
+    while (ahead_ < count &&
+           (ahead_ == k + 1 || in_flight_ + call_rust([&] { return stream->alloc_len(ahead_); }) <= budget)) {
+      submit(ahead_);
+    }
+    const auto specs = call_rust([&] { return stream->group_specs(k); });
+    check_torch_types(specs);
+    const auto landed = call_rust([&] { return stream->wait(k); });
+    last_path_ = std::string(landed.path);
+    auto node = submitted_.extract(k);
+    at::Tensor buffer = std::move(node.mapped().buffer);
+    in_flight_ -= static_cast<uint64_t>(buffer.numel());
+    node.mapped().ready.reset();
+    BufferTensors group;
+    for (const auto& spec : specs) {
+      group.add(spec, wrap_device(spec, buffer, static_cast<int64_t>(landed.offset)));
+    }
+    buffer.reset();  // from here on, only the tensors keep the group's memory
+    NamedTensors out;
+    add_buffer(std::move(group), dtype_, true, out);
+    return out;
+  }
+
   static std::string_view view_str(::rust::Str s) { return {s.data(), s.size()}; }
 
   std::mutex mutex_;
-  ::rust::Box<rs::TensorStream> stream_;
-  c10::Device target_;
   std::optional<at::ScalarType> dtype_;
+  c10::Device target_;
+  size_t next_ = 0;
+  // Groups below `ahead_` have been submitted, in order; `in_flight_` bytes are allocated for
+  // those not handed out yet.
+  size_t ahead_ = 0;
+  uint64_t in_flight_ = 0;
+  std::string last_path_;
+  // Declared before the streams, so destroyed after them: the copier has stopped (its running
+  // copy done) before the memory it copies into is given back to torch.
+  std::unordered_map<size_t, Submitted> submitted_;
+  std::optional<::rust::Box<rs::TensorStream>> host_;
+  std::optional<::rust::Box<rs::DeviceTensorStream>> device_;
 };
 
 c10::intrusive_ptr<TensorStream> open_stream(std::vector<std::string> files, std::string device,
@@ -551,12 +634,21 @@ c10::intrusive_ptr<TensorStream> open_stream(std::vector<std::string> files, std
                                              std::optional<std::string> max_memory) {
   const auto target = target_device(device);
   check_cast_target(dtype);
-  if (target.is_cuda()) check_cuda(target);
   auto paths = to_rust(files);
   const auto chosen = selection(tensor_filter, tensor_name_match_mode);
-  auto stream =
-      call_rust([&] { return rs::open_stream(paths, reader.value_or(""), chosen, max_memory.value_or("")); });
-  return c10::make_intrusive<TensorStream>(std::move(stream), target, dtype);
+  if (target.is_cpu()) {
+    auto stream =
+        call_rust([&] { return rs::open_stream(paths, reader.value_or(""), chosen, max_memory.value_or("")); });
+    return c10::make_intrusive<TensorStream>(std::move(stream), dtype);
+  }
+  check_cuda(target);
+  // Plain "cuda" is torch's current device.
+  const c10::Device on = target.has_index() ? target : cuda_hooks().getDevice();
+  auto stream = call_rust([&] {
+    return rs::open_device_stream(paths, reader.value_or(""), chosen, max_memory.value_or(""),
+                                  static_cast<size_t>(on.index()));
+  });
+  return c10::make_intrusive<TensorStream>(std::move(stream), on, dtype);
 }
 
 rs::HeaderSpec header(const std::string& file) {

@@ -11,7 +11,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::checkpoint::{self, Checkpoint};
-use crate::cuda::driver::{self, RawEvent};
+use crate::cuda::driver::{self, Context, RawEvent};
+use crate::device::CudaDevice;
+use crate::device_stream::{Copier, DeviceStream};
 use crate::error::{Error, Result};
 use crate::gds::GdsMode;
 use crate::io::{self, budget, HostBuffer, ReaderKind, SourceFile};
@@ -77,6 +79,8 @@ mod ffi {
         type LoadedFiles;
         /// Tensors handed out in groups as their bytes arrive.
         type TensorStream;
+        /// Groups of tensors copied to a CUDA device one after the other.
+        type DeviceTensorStream;
         /// A reference on one file's host buffer; the buffer is freed when the last drops.
         type BufferRef;
 
@@ -147,6 +151,33 @@ mod ffi {
         fn tensor_count(self: &TensorStream) -> usize;
         fn byte_count(self: &TensorStream) -> u64;
 
+        /// A streaming load of the selected tensors of `paths` to CUDA device `ordinal`: the
+        /// caller allocates each group's memory (`alloc_len`), `submit`s its copy (which runs in
+        /// the background, through the pinned staging ring, ordered after the CUevent `ready`
+        /// recorded on torch's stream, 0 for none) and `wait`s for it.
+        fn open_device_stream(
+            paths: &Vec<String>,
+            reader: &str,
+            selection: &TensorSelection,
+            max_memory: &str,
+            ordinal: usize,
+        ) -> Result<Box<DeviceTensorStream>>;
+        fn group_count(self: &DeviceTensorStream) -> usize;
+        /// Device memory the groups submitted ahead may take together (`u64::MAX`: no limit).
+        fn budget(self: &DeviceTensorStream) -> u64;
+        /// Bytes to allocate for group `k`.
+        fn alloc_len(self: &DeviceTensorStream, k: usize) -> Result<usize>;
+        /// Group `k`'s tensors: offsets from where the group's first byte lands.
+        fn group_specs(self: &DeviceTensorStream, k: usize) -> Result<Vec<TensorSpec>>;
+        /// Index and path of the file group `k` is read from.
+        fn group_file(self: &DeviceTensorStream, k: usize) -> Result<i64>;
+        fn group_path(self: &DeviceTensorStream, k: usize) -> Result<String>;
+        fn submit(self: &DeviceTensorStream, k: usize, base: u64, ready: u64) -> Result<()>;
+        /// Waits for group `k`'s copy: how it was read and where in its allocation it landed.
+        fn wait(self: &DeviceTensorStream, k: usize) -> Result<FileCopy>;
+        fn tensor_count(self: &DeviceTensorStream) -> usize;
+        fn byte_count(self: &DeviceTensorStream) -> u64;
+
         /// Number of CUDA devices; an error naming the reason when there is no driver.
         fn cuda_device_count() -> Result<usize>;
         /// Reads and validates one file's header without reading its data.
@@ -172,6 +203,8 @@ pub struct LoadedFiles {
 }
 
 pub struct BufferRef(Arc<HostBuffer>);
+
+pub struct DeviceTensorStream(Copier);
 
 pub struct TensorStream {
     stream: stream::TensorStream,
@@ -341,6 +374,88 @@ fn open_stream(
         let stream = stream::TensorStream::open(planned, options)?;
         Ok(Box::new(TensorStream { stream, group: None, specs: Vec::new() }))
     })
+}
+
+fn open_device_stream(
+    paths: &Vec<String>,
+    reader: &str,
+    selection: &TensorSelection,
+    max_memory: &str,
+    ordinal: usize,
+) -> Result<Box<DeviceTensorStream>> {
+    guard(|| {
+        let budget = budget::stream_budget(Some(max_memory).filter(|m| !m.is_empty()))?;
+        let options = StreamOptions { reader: reader_kind(reader)?, ..StreamOptions::with_budget(budget) };
+        let stream = DeviceStream::open(plan(paths)?.select(&selection.to_selection()?)?, &options)?;
+        let copier = Copier::start(stream, move |ready| {
+            // SAFETY: the extension keeps the event alive until it has waited for this copy.
+            let ready = (ready != 0).then(|| unsafe { RawEvent::from_raw(ready) });
+            Ok(Box::new(CudaDevice::new(Context::primary(ordinal)?, ready)?))
+        })?;
+        Ok(Box::new(DeviceTensorStream(copier)))
+    })
+}
+
+impl DeviceTensorStream {
+    fn stream(&self) -> &DeviceStream {
+        self.0.stream()
+    }
+
+    fn check(&self, k: usize) -> Result<()> {
+        let count = self.stream().group_count();
+        if k < count {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(format!("no group {k} (of {count})")))
+        }
+    }
+
+    fn group_count(&self) -> usize {
+        self.stream().group_count()
+    }
+
+    fn budget(&self) -> u64 {
+        self.stream().budget()
+    }
+
+    fn alloc_len(&self, k: usize) -> Result<usize> {
+        guard(|| self.check(k).map(|()| self.stream().alloc_len(k) as usize))
+    }
+
+    fn group_specs(&self, k: usize) -> Result<Vec<TensorSpec>> {
+        guard(|| {
+            self.check(k)?;
+            let stream = self.stream();
+            stream.tensors(k).iter().map(|t| spec_at(t, t.name.clone(), 0, stream.offset_of(k, t))).collect()
+        })
+    }
+
+    fn group_file(&self, k: usize) -> Result<i64> {
+        guard(|| self.check(k).map(|()| self.stream().file(k).0 as i64))
+    }
+
+    fn group_path(&self, k: usize) -> Result<String> {
+        guard(|| self.check(k).map(|()| self.stream().file(k).1.display().to_string()))
+    }
+
+    fn submit(&self, k: usize, base: u64, ready: u64) -> Result<()> {
+        guard(|| self.0.submit(k, base, ready))
+    }
+
+    fn wait(&self, k: usize) -> Result<FileCopy> {
+        guard(|| {
+            let c = self.0.wait(k)?;
+            Ok(FileCopy { path: c.path.name().to_owned(), offset: c.offset as usize })
+        })
+    }
+
+    fn tensor_count(&self) -> usize {
+        self.stream().tensor_count()
+    }
+
+    fn byte_count(&self) -> u64 {
+        self.stream().byte_count()
+    }
 }
 
 impl TensorStream {

@@ -14,6 +14,7 @@ pub mod bridge;
 pub mod checkpoint;
 pub mod cuda;
 pub mod device;
+pub mod device_stream;
 pub mod error;
 pub mod format;
 pub mod gds;

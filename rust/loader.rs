@@ -279,7 +279,7 @@ impl Planned {
                     ReaderKind::Mmap => false,
                     ReaderKind::Auto => !src.is_resident()?,
                 };
-                Ok(StagedFile { src, dst, direct })
+                Ok(StagedFile::whole(src, dst, direct))
             })
             .collect::<Result<Vec<_>>>()?;
         let mut staged_paths = staged::copy_files(device, &staged_files, &options.staging)?.into_iter();

@@ -10,6 +10,8 @@ use std::sync::Arc;
 
 use common::{safetensors, TempDir};
 
+use fastsafetensors::device::HostMemoryDevice;
+use fastsafetensors::device_stream::{Copier, DeviceStream};
 use fastsafetensors::io::{ReadPath, ReaderKind};
 use fastsafetensors::loader::{plan_files, read_header, LoadOptions};
 use fastsafetensors::plan::{align_up, IO_ALIGN};
@@ -346,4 +348,146 @@ fn row_ranges_read_only_those_rows() {
     assert!(err.contains("scalar"), "{err}");
     let err = plan_files(std::slice::from_ref(&path)).unwrap().select(&rows("nope", 0, 1)).err().unwrap().to_string();
     assert!(err.contains("'nope'"), "{err}");
+}
+
+// ---------------------------------------------------------------- streaming to a device
+
+/// Copies every group of `stream` into the stand-in's memory as a consumer does: group k + 1
+/// is submitted before group k is waited for. Allocations are laid end to end, `misalign`
+/// bytes past a page boundary. Returns (name, file, bytes) of every tensor, in order.
+fn stream_to_device(
+    copier: &Copier,
+    device: &HostMemoryDevice,
+    misalign: u64,
+) -> fastsafetensors::Result<Vec<(String, usize, Vec<u8>)>> {
+    let stream = copier.stream();
+    let mut bases = Vec::new();
+    let mut end = 0;
+    for k in 0..stream.group_count() {
+        bases.push(end + misalign);
+        end = (end + misalign + stream.alloc_len(k)).next_multiple_of(4096);
+    }
+    let mut out = Vec::new();
+    if stream.group_count() > 0 {
+        copier.submit(0, bases[0], 0)?;
+    }
+    for k in 0..stream.group_count() {
+        if k + 1 < stream.group_count() {
+            copier.submit(k + 1, bases[k + 1], 0)?;
+        }
+        let landed = copier.wait(k)?;
+        let memory = device.memory();
+        for t in stream.tensors(k) {
+            let at = (bases[k] + landed.offset + stream.offset_of(k, t)) as usize;
+            out.push((t.name.clone(), t.file, memory[at..at + t.nbytes as usize].to_vec()));
+        }
+    }
+    Ok(out)
+}
+
+fn device_copier(paths: &[PathBuf], selection: &Selection, options: StreamOptions) -> (Copier, Arc<HostMemoryDevice>) {
+    let stream = DeviceStream::open(plan_files(paths).unwrap().select(selection).unwrap(), &options).unwrap();
+    let len: u64 = (0..stream.group_count()).map(|k| stream.alloc_len(k) + 8192).sum();
+    let device = Arc::new(HostMemoryDevice::new(len as usize));
+    let shared = Arc::clone(&device);
+    (Copier::start(stream, move |_| Ok(Arc::clone(&shared))).unwrap(), device)
+}
+
+#[test]
+fn device_streams_land_every_selected_tensor_bit_exact() {
+    let dir = TempDir::new("device-stream");
+    let (paths, files) = checkpoint(&dir, 8);
+    for (label, selection) in [("all", Selection::all()), ("glob", glob(&["*.[357].*", "*.0.norm"]))] {
+        let want: Vec<_> = plan_files(&paths).unwrap().select(&selection).unwrap().tensors;
+        for reader in READERS {
+            for (group, block) in [(IO_ALIGN, IO_ALIGN), (3 * IO_ALIGN, 2 * IO_ALIGN), (1 << 20, 8192)] {
+                for misalign in [0, 512] {
+                    let options = StreamOptions { reader, block, group, ..StreamOptions::with_budget(4 * group) };
+                    let (copier, device) = device_copier(&paths, &selection, options);
+                    assert_eq!(copier.stream().tensor_count(), want.len());
+                    let got = stream_to_device(&copier, &device, misalign).unwrap();
+                    let ctx = format!("{label} {reader:?} group {group} misalign {misalign}");
+                    let names: Vec<_> = got.iter().map(|g| g.0.as_str()).collect();
+                    assert_eq!(names, want.iter().map(|t| t.name.as_str()).collect::<Vec<_>>(), "{ctx}");
+                    for (name, file, bytes) in &got {
+                        assert_eq!(*bytes, expected_bytes(&files[*file], &paths[*file], name), "{ctx}: {name}");
+                    }
+                    assert_eq!(device.in_flight(), 0, "{ctx}: copies left queued");
+                    assert_eq!(device.freed_in_flight(), 0, "{ctx}: staging freed under a copy");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn device_stream_groups_stay_within_their_size_unless_one_tensor_is_larger() {
+    let dir = TempDir::new("device-groups");
+    let bytes = safetensors(&[("small", "U8", &[10]), ("large", "F32", &[100_000]), ("tail", "U8", &[7000])], 8);
+    let path = dir.write("g.safetensors", &bytes);
+    let options = StreamOptions { group: 16384, ..StreamOptions::with_budget(64 << 10) };
+    let stream = DeviceStream::open(plan_files(std::slice::from_ref(&path)).unwrap(), &options).unwrap();
+    for k in 0..stream.group_count() {
+        let tensors = stream.tensors(k);
+        assert!(stream.alloc_len(k) <= 16384 + IO_ALIGN || tensors.len() == 1, "group {k} too large");
+    }
+    assert!((0..stream.group_count()).any(|k| stream.tensors(k).iter().any(|t| t.name == "large")));
+}
+
+#[test]
+fn a_failed_device_copy_is_an_error_not_a_hang_and_the_copier_stops_cleanly() {
+    let dir = TempDir::new("device-fail");
+    let (paths, _) = checkpoint(&dir, 8);
+    let options = StreamOptions { block: IO_ALIGN, group: 2 * IO_ALIGN, ..StreamOptions::with_budget(8 * IO_ALIGN) };
+    let stream = DeviceStream::open(plan_files(&paths).unwrap(), &options).unwrap();
+    let device = Arc::new(HostMemoryDevice::new(1 << 22).failing_at_copy(3));
+    let shared = Arc::clone(&device);
+    let copier = Copier::start(stream, move |_| Ok(Arc::clone(&shared))).unwrap();
+    let err = stream_to_device(&copier, &device, 0).unwrap_err();
+    assert!(err.to_string().contains("injected"), "{err}");
+    drop(copier);
+    assert_eq!(device.in_flight(), 0);
+}
+
+#[test]
+fn dropping_a_copier_with_queued_groups_skips_them() {
+    let dir = TempDir::new("device-drop");
+    let (paths, _) = checkpoint(&dir, 8);
+    let options = StreamOptions { group: IO_ALIGN, ..StreamOptions::with_budget(IO_ALIGN) };
+    let (copier, device) = device_copier(&paths, &Selection::all(), options);
+    let count = copier.stream().group_count();
+    for k in 0..count {
+        copier.submit(k, (k as u64) * 3 * IO_ALIGN, 0).unwrap();
+    }
+    drop(copier); // returns once the copy running (if any) is done
+    assert_eq!(device.in_flight(), 0);
+}
+
+#[test]
+fn device_stream_misuse_is_an_error() {
+    let dir = TempDir::new("device-misuse");
+    let (paths, _) = checkpoint(&dir, 2);
+    let (copier, _device) = device_copier(&paths, &Selection::all(), StreamOptions::with_budget(1 << 20));
+    let count = copier.stream().group_count();
+    assert!(copier.wait(0).unwrap_err().to_string().contains("was not submitted"));
+    assert!(copier.submit(count, 0, 0).unwrap_err().to_string().contains(&format!("no group {count}")));
+    copier.submit(0, 0, 0).unwrap();
+    assert!(copier.submit(0, 0, 0).unwrap_err().to_string().contains("submitted already"));
+    copier.wait(0).unwrap();
+}
+
+#[test]
+fn a_file_that_changes_mid_device_stream_is_an_error() {
+    let dir = TempDir::new("device-changed");
+    let (paths, _) = checkpoint(&dir, 8);
+    let options = StreamOptions { reader: ReaderKind::Direct, group: IO_ALIGN, ..StreamOptions::with_budget(IO_ALIGN) };
+    let (copier, device) = device_copier(&paths, &Selection::all(), options);
+    copier.submit(0, 0, 0).unwrap();
+    copier.wait(0).unwrap();
+    std::fs::OpenOptions::new().write(true).open(&paths[1]).unwrap().set_len(100).unwrap();
+    let last = copier.stream().group_count() - 1;
+    copier.submit(last, 0, 0).unwrap();
+    let err = copier.wait(last).unwrap_err();
+    assert!(matches!(err, Error::Changed { .. } | Error::Truncated { .. }), "{err}");
+    assert_eq!(device.in_flight(), 0);
 }

@@ -8,10 +8,11 @@ use_tqdm_on_load)`, SGLang's equivalent). `weights_iterator` keeps that contract
   in the order given, within a file in the order of the data;
 - every tensor owns its memory: it stays valid after the next `next()`, after the iterator is
   exhausted or closed, and no handle needs closing;
-- on the CPU the files are streamed: each tensor is handed out as soon as the group of
-  tensors it is read with has arrived, while later reads go on, within `max_memory`; the
-  iterator drops its own references as it yields, so a consumer that copies each tensor into
-  its parameter and drops it holds at most `max_memory` of buffers;
+- the files are streamed: each tensor is handed out as soon as the group of tensors it is
+  read with has arrived (on CUDA: has been copied to the device), while later reads go on,
+  within `max_memory`; the iterator drops its own references as it yields, so a consumer
+  that copies each tensor into its parameter and drops it holds at most `max_memory` of
+  buffers (and one group);
 - every header is checked before anything is read: a bad file fails the first `next()`.
 
     model.load_weights(fastsafetensors_rs.weights_iterator(files, device="cuda:0"))
@@ -67,14 +68,17 @@ def weights_iterator(
         use_tqdm_on_load: a progress bar (bytes) on stderr (shown for loads longer than a
             second). None (default) means off unless `$FASTSAFETENSORS_PROGRESS=1`; the
             position matches vLLM's iterators, which take it second.
-        device, dtype, reader, nogds: as in `fastsafetensors_rs.load`.
+        device, dtype, reader: as in `fastsafetensors_rs.load`.
         tensor_filter, tensor_name_match_mode: which tensors to yield (see
             `fastsafetensors_rs.api`); only their bytes are read.
-        max_memory: CPU: the stream's memory budget (see `fastsafetensors_rs.stream`).
-        prefetch: CUDA: how many files a background thread loads ahead (each file is loaded
-            straight to the device in one bulk load: GPUDirect Storage or staged copies), at
-            the cost of that many files of device memory. The CPU stream reads ahead within
-            `max_memory` and takes no `prefetch`.
+        max_memory: the stream's memory budget (see `fastsafetensors_rs.stream`): host
+            memory for the CPU; for CUDA, the device memory of the groups copied ahead.
+        nogds, prefetch: CUDA only. By default the files are streamed to the device in groups
+            through the pinned staging ring, within `max_memory`. With `nogds=False`
+            (GPUDirect Storage required) or `prefetch` > 0 they are instead loaded file by
+            file, each in one bulk load (GPUDirect Storage where available, else staged),
+            `prefetch` files ahead in a background thread, at the cost of that many files of
+            device memory.
 
     A file that cannot be read raises `RuntimeError` naming it.
     """
@@ -84,8 +88,8 @@ def weights_iterator(
     show = progress_enabled(use_tqdm_on_load, default=False)
     target = api._device_name(device)
     logger.debug("weights_iterator: %d file(s) to %s, %s", len(paths), target, _reader_reason(reader))
-    if target == "cpu":
-        yield from _streamed(paths, show, dtype=dtype, reader=reader, tensor_filter=tensor_filter,
+    if target == "cpu" or (nogds is not False and prefetch == 0):
+        yield from _streamed(paths, show, device=target, dtype=dtype, reader=reader, tensor_filter=tensor_filter,
                              tensor_name_match_mode=tensor_name_match_mode, max_memory=max_memory)
         return
     yield from _file_by_file(paths, show, prefetch, device=target, dtype=dtype, reader=reader, nogds=nogds,
