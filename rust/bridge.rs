@@ -225,7 +225,7 @@ fn spec_at(t: &Placement, name: String, buffer: usize, offset: u64) -> Result<Te
         .iter()
         .map(|&d| {
             i64::try_from(d)
-                .map_err(|_| Error::InvalidArgument(format!("tensor '{}': dimension {d} does not fit in i64", t.name)))
+                .map_err(|_| Error::InvalidArgument(format!("tensor '{name}': dimension {d} does not fit in i64")))
         })
         .collect::<Result<_>>()?;
     Ok(TensorSpec {
@@ -244,12 +244,14 @@ fn specs(tensors: &[Placement]) -> Result<Vec<TensorSpec>> {
     tensors.iter().map(|t| spec_at(t, t.name.clone(), t.file, t.offset)).collect()
 }
 
-/// Specs of loaded tensors: buffer `k` is extent `k`.
-fn loaded_specs(loaded: &Loaded) -> Result<Vec<TensorSpec>> {
+/// Specs of loaded tensors: buffer `k` is extent `k`. The names move into the specs: only
+/// the buffers of `loaded` are used afterwards.
+fn loaded_specs(loaded: &mut Loaded) -> Result<Vec<TensorSpec>> {
     let mut out = Vec::with_capacity(loaded.tensors.len());
     for (k, e) in loaded.extents.iter().enumerate() {
-        for t in &loaded.tensors[e.tensors.clone()] {
-            out.push(spec_at(t, t.name.clone(), k, e.offset_of(t))?);
+        for t in &mut loaded.tensors[e.tensors.clone()] {
+            let name = std::mem::take(&mut t.name);
+            out.push(spec_at(t, name, k, e.offset_of(t))?);
         }
     }
     Ok(out)
@@ -339,8 +341,8 @@ fn release_staging_buffers() -> usize {
 fn read_to_host(planned: Box<PlannedFiles>, reader: &str) -> Result<Box<LoadedFiles>> {
     guard(|| {
         let options = LoadOptions { reader: reader_kind(reader)?, ..LoadOptions::default() };
-        let loaded = planned.planned.read_to_host(&options)?;
-        let specs = loaded_specs(&loaded)?;
+        let mut loaded = planned.planned.read_to_host(&options)?;
+        let specs = loaded_specs(&mut loaded)?;
         Ok(Box::new(LoadedFiles { loaded, specs }))
     })
 }
@@ -351,8 +353,8 @@ fn load_rows(path: &str, name: &str, start: u64, stop: u64, reader: &str) -> Res
         let exact = TensorFilter::new(MatchMode::Exact, &[name])?;
         let selection = Selection { filter: Some(exact), rows: vec![RowRange { name: name.to_owned(), start, stop }] };
         checkpoint::check_single_file(Path::new(path))?;
-        let loaded = plan(&[path.to_owned()])?.select(&selection)?.read_to_host(&options)?;
-        let specs = loaded_specs(&loaded)?;
+        let mut loaded = plan(&[path.to_owned()])?.select(&selection)?.read_to_host(&options)?;
+        let specs = loaded_specs(&mut loaded)?;
         Ok(Box::new(LoadedFiles { loaded, specs }))
     })
 }

@@ -88,8 +88,9 @@ pub struct Placement {
 /// Every tensor of `headers` (one per file, same order as `paths`), in file then offset
 /// order. Tensor names must be unique across files.
 pub fn place(paths: &[PathBuf], headers: &[Header]) -> Result<Vec<Placement>> {
-    let mut first_seen: HashMap<&str, usize> = HashMap::new();
-    let mut out = Vec::with_capacity(headers.iter().map(|h| h.tensors.len()).sum());
+    let total = headers.iter().map(|h| h.tensors.len()).sum();
+    let mut first_seen: HashMap<&str, usize> = HashMap::with_capacity(total);
+    let mut out = Vec::with_capacity(total);
     for (file, header) in headers.iter().enumerate() {
         for t in &header.tensors {
             if let Some(&other) = first_seen.get(t.name.as_str()) {

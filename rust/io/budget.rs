@@ -101,11 +101,6 @@ fn mem_available() -> Option<u64> {
     meminfo("MemAvailable:")
 }
 
-/// Memory no one uses, not even the page cache: what can be had without reclaiming anything.
-pub(crate) fn mem_free() -> Option<u64> {
-    meminfo("MemFree:")
-}
-
 fn meminfo(field: &str) -> Option<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = meminfo.lines().find(|l| l.starts_with(field))?;
