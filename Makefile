@@ -4,44 +4,92 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 DEPS   := $(VENV)/.deps
-BUILT  := $(VENV)/.built
-# What the compiled extension is made of (Python files are used in place: no rebuild).
-SOURCES := $(shell find rust csrc -name '*.rs' -o -name '*.cpp' -o -name '*.h') Cargo.toml Cargo.lock setup.py
+# What the wheel is made of: a change to any of these rebuilds and reinstalls it.
+SOURCES := $(shell find rust csrc python/fastsafetensors_rs build_backend \
+                -name '*.rs' -o -name '*.cpp' -o -name '*.h' -o -name '*.py') \
+           Cargo.toml Cargo.lock setup.py pyproject.toml MANIFEST.in README.md LICENSE
 
-.PHONY: all venv build demo test test-rust test-python bench gpu-check clean tf4 cpp-example
-.PHONY: fuzz sanitize sanitize-rust sanitize-cpp
+.PHONY: all venv build dev demo test test-rust test-python test-install bench gpu-check clean tf4 cpp-example
+.PHONY: fuzz sanitize sanitize-rust sanitize-cpp test-vllm
 
 all: build
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+# Downloads go to a wheelhouse in build/ that later steps install from (tests/install makes
+# more venvs with the same torch): pip's own HTTP cache stores nothing from this registry.
+# A fresh clone starts with an empty one.
+WHEELHOUSE := build/wheelhouse
+export FASTSAFETENSORS_WHEELHOUSE := $(abspath $(WHEELHOUSE))
+
 $(DEPS): requirements-dev.txt | $(PY)
 	$(PIP) install --upgrade pip
-	$(PIP) install -r requirements-dev.txt
+	$(PIP) download -d $(WHEELHOUSE) -r requirements-dev.txt
+	$(PIP) install --no-index --find-links $(WHEELHOUSE) -r requirements-dev.txt
 	touch $@
 
 venv: $(DEPS)
 
-# The extension is built in place (editable install): cargo builds the staticlib, then
-# setuptools compiles csrc/ and links it into python/fastsafetensors_rs/_C*.so.
-$(BUILT): $(DEPS) $(SOURCES)
+# ---------------------------------------------------------------- build and install
+# `make build` builds a wheel against .venv's torch and installs it into .venv the way a user
+# installs the project (not editable), so everything that runs from .venv (tests, demo,
+# bench) imports the installed package, never python/. cargo builds the staticlib, setup.py
+# compiles csrc/ and links it; see README, "Installing".
+WHEEL_DIR := dist/wheel
+INSTALLED := $(VENV)/.installed-wheel
+EDITABLE  := $(VENV)/.installed-editable
+
+$(INSTALLED): $(DEPS) $(SOURCES)
 	@command -v cargo >/dev/null || { echo "cargo is required: install Rust (https://rustup.rs)"; exit 1; }
-	$(PIP) install --no-build-isolation --no-deps -e .
+	rm -rf $(WHEEL_DIR)
+	$(PIP) wheel --no-build-isolation --no-deps -w $(WHEEL_DIR) .
+	$(PIP) install --no-deps --force-reinstall $(WHEEL_DIR)/fastsafetensors_rs-*.whl
+	rm -f $(EDITABLE)
 	touch $@
 
-build: $(BUILT)
+build: $(INSTALLED)
+
+# The quick loop while editing: an editable install, python/ used in place (run `make dev`
+# again after a Rust or C++ change). `make build` and `make test` put the wheel back.
+dev: $(DEPS)
+	@command -v cargo >/dev/null || { echo "cargo is required: install Rust (https://rustup.rs)"; exit 1; }
+	$(PIP) install --no-build-isolation --no-deps -e .
+	rm -f $(INSTALLED)
+	touch $(EDITABLE)
 
 demo: build
 	$(PY) examples/demo.py
 
-test: test-rust test-python
+# Each stage in turn, with its wall time (CI reports them). A block that adds a stage appends
+# it to TEST_STAGES.
+TEST_STAGES := test-rust test-python test-install
+
+test:
+	@for stage in $(TEST_STAGES); do \
+		start=$$(date +%s); \
+		$(MAKE) --no-print-directory $$stage || exit 1; \
+		echo "make $$stage: $$(( $$(date +%s) - start )) s"; \
+	done
 
 test-rust:
 	cargo test --locked
 
+# The suite imports the installed wheel: conftest.py refuses a package imported from python/.
 test-python: build tf4
-	$(PY) -m pytest tests/python -q
+	FASTSAFETENSORS_TEST_INSTALLED=1 $(PY) -m pytest tests/python -q
+
+# ---------------------------------------------------------------- install paths, torch range
+# The project installed as users install it, each checked from outside the source tree
+# (tests/install): default build isolation (stops at once), the sdist alone, the wheel in a
+# fresh venv with the source gone, and `pip install --no-build-isolation .` in fresh venvs
+# with each torch of FASTSAFETENSORS_TORCH_RANGE (default 2.8.0 2.14.0; .venv has 2.15.0),
+# running the core round-trip tests there. Needs the registry (torch, ~3 GB per release,
+# through pip's cache) and ~15 GB of scratch space in $TMPDIR, freed as it goes.
+INSTALL_TEST_ARGS ?=
+
+test-install: build
+	$(PY) -m pytest tests/install -v -s --durations=0 -p no:cacheprovider $(INSTALL_TEST_ARGS)
 
 # transformers 4.57 beside the 5.x in .venv, for the second run of the transformers tests.
 TF4 := .tf4/.installed
@@ -54,7 +102,7 @@ tf4: $(TF4)
 
 # The C++ example: calls the op through the dispatcher, built against the torch wheel's libtorch.
 CPP_EXAMPLE := build/cpp-example/fst_load
-$(CPP_EXAMPLE): examples/cpp/load.cpp | $(BUILT)
+$(CPP_EXAMPLE): examples/cpp/load.cpp | $(INSTALLED)
 	mkdir -p $(@D)
 	TORCH_DIR=$$($(PY) -c 'import os, torch; print(os.path.dirname(torch.__file__))') && \
 	$(CXX) -std=c++20 -O2 -I$$TORCH_DIR/include $< -o $@ \
@@ -68,13 +116,64 @@ bench: build
 
 # On a machine with a GPU: every CUDA check in one table (tests/gpu/gpu_check.py lists them),
 # then throughput; under 10 minutes on one GPU. It needs only torch, safetensors and the built
-# package: where there is no cargo, build the extension elsewhere and run
-# `PYTHONPATH=python python tests/gpu/gpu_check.py`.
+# package: where there is no cargo, build a wheel elsewhere against the same torch release
+# (`pip wheel --no-build-isolation .`), `pip install` it and run `python tests/gpu/gpu_check.py`
+# (or copy its _C.abi3.so and _build_info.json into python/fastsafetensors_rs/ and run
+# `PYTHONPATH=python python tests/gpu/gpu_check.py`).
 gpu-check: build
 	$(PY) tests/gpu/gpu_check.py $(GPU_CHECK_ARGS)
 
+# Real clients, unmodified: vLLM 0.33 (and older vLLM releases' loaders, SGLang 0.5) with
+# this project installed into their environment as a user installs it. The environment,
+# .venv-vllm, is made once: vLLM's wheel without its dependencies, then its requirements with
+# certifi pinned (vLLM 0.33 asks for certifi>=2026.10.19, newer than the registry serves);
+# they bring torch 2.14.0 and IBM's fastsafetensors 0.5.0. SGLang goes into
+# .venv-vllm/sglang (tests/clients/requirements-sglang.txt), the Python code of older vLLM
+# releases into .venv-vllm/vllm-X for the plugin's tests. Each run installs a clean copy of
+# this checkout (its files as git lists them: what a fresh clone has; only cargo's target/
+# is kept between runs) with `pip install --no-build-isolation`, runs tests/clients, then
+# uninstalls it and checks that IBM's package is whole and still works. See tests/clients/harness.py for what the
+# harness changes to run without a GPU.
+VLLM_VERSION := 0.33.0
+VLLM_OLDER   := 0.22.0 0.31.0
+VLLM_PINS    := certifi==2026.10.18
+VLLM_VENV    := .venv-vllm
+VLLM_PY      := $(VLLM_VENV)/bin/python
+VLLM_READY   := $(VLLM_VENV)/.ready
+CLIENT_COPY  := $(VLLM_VENV)/checkout
+
+$(VLLM_READY): tests/clients/requirements-sglang.txt tests/clients/requirements_of.py
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --upgrade pip packaging
+	$(VLLM_PY) -m pip install --no-deps vllm==$(VLLM_VERSION)
+	$(VLLM_PY) tests/clients/requirements_of.py vllm $(addprefix --override ,$(VLLM_PINS)) > $(VLLM_VENV)/requirements.txt
+	$(VLLM_PY) -m pip install -r $(VLLM_VENV)/requirements.txt pytest wheel
+	$(VLLM_PY) -m pip install --no-deps --target $(VLLM_VENV)/sglang -r tests/clients/requirements-sglang.txt
+	for v in $(VLLM_OLDER); do \
+		$(VLLM_PY) -m pip install --no-deps --target $(VLLM_VENV)/vllm-$$v vllm==$$v gguf==0.19.0 || exit 1; \
+	done
+	touch $@
+
+test-vllm: $(VLLM_READY)
+	@command -v cargo >/dev/null || { echo "cargo is required: install Rust (https://rustup.rs)"; exit 1; }
+	mkdir -p $(CLIENT_COPY) && find $(CLIENT_COPY) -mindepth 1 -maxdepth 1 ! -name target -exec rm -rf {} +
+	git ls-files -z --cached --others --exclude-standard | \
+		tar --null --files-from=- --ignore-failed-read -cf - | tar -xf - -C $(CLIENT_COPY)
+	$(VLLM_PY) -m pip uninstall -y fastsafetensors-rs
+	$(VLLM_PY) -m pip install --no-build-isolation $(CLIENT_COPY)
+	FST_SGLANG_PATH=$(abspath $(VLLM_VENV)/sglang) $(VLLM_PY) -m pytest -p no:cacheprovider tests/clients -q
+	for v in $(VLLM_OLDER); do \
+		PYTHONPATH=$(abspath $(VLLM_VENV)/vllm-$$v) $(VLLM_PY) -m pytest -p no:cacheprovider -q -rs \
+			tests/clients/test_vllm_plugin.py || exit 1; \
+	done
+	$(VLLM_PY) -m pip uninstall -y fastsafetensors-rs
+	$(VLLM_PY) tests/clients/ibm_after_uninstall.py
+
 clean:
-	rm -rf target build python/fastsafetensors_rs/_C*.so $(BUILT) .tf4
+	rm -rf target build dist python/*.egg-info python/fastsafetensors_rs/_C*.so \
+		python/fastsafetensors_rs/_build_info.json $(INSTALLED) $(EDITABLE) .tf4 \
+		$(CLIENT_COPY)
 
 # Fuzzing: `make fuzz FUZZ_SECONDS=60` runs each fuzz target for that many seconds, starting
 # from its seeds in fuzz/corpus/<target>/ (fuzz/make_seeds.py writes them). cargo-fuzz is

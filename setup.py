@@ -1,48 +1,220 @@
-"""Builds the Rust staticlib with cargo, then the torch extension `fastsafetensors_rs._C`."""
+"""Builds the Rust staticlib with cargo, then the torch extension `fastsafetensors_rs._C`,
+against the torch installed in this environment.
 
+Metadata lives here rather than in pyproject.toml's [project] table so that any setuptools
+from 64 on can build it with `--no-build-isolation` (the SPDX `license` string of [project]
+needs setuptools 77). torch is imported only when the extension is built: a source
+distribution needs no torch.
+
+Environment:
+  DEBUG=1                          keep debug info in the extension (release builds strip it)
+  FASTSAFETENSORS_CARGO_PROFILE    cargo profile of the staticlib (default: release)
+
+cargo always builds in target/ beside this file, whatever CARGO_TARGET_DIR says: a target
+directory shared by two source trees hands the library of whichever built first to the other
+(cargo leaves target/<profile>/libfastsafetensors.a alone when it finds the crate fresh).
+"""
+
+import importlib.util
+import json
 import os
+import re
+import shutil
 import subprocess
+import sys
 
-from setuptools import setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build import build
+from setuptools.command.build_ext import build_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-TARGET = os.path.join(ROOT, "target")
-PROFILE = os.environ.get("FASTSAFETENSORS_CARGO_PROFILE", "release")
-STATICLIB = os.path.join(TARGET, PROFILE, "libfastsafetensors.a")
+PACKAGE = "fastsafetensors_rs"
+PACKAGE_DIR = os.path.join(ROOT, "python", PACKAGE)
+MIN_TORCH = (2, 8)  # csrc uses kFloat4_e2m1fn_x2 and kFloat8_e8m0fnu, new in torch 2.8
+# The extension uses only libtorch (ops are registered with the dispatcher and loaded with
+# torch.ops.load_library), never the Python C API: one wheel serves every CPython >= this.
+LIMITED_API = "cp310"
 
 
-class BuildWithCargo(BuildExtension):
-    """Runs `cargo build` first: the extension links the staticlib and includes the
-    cxx-generated headers under target/cxxbridge."""
+def _debug() -> bool:
+    return os.environ.get("DEBUG", "").lower() not in ("", "0", "false", "no")
 
-    def build_extensions(self):
-        subprocess.check_call(
-            ["cargo", "build", "--locked", "--lib", "--profile", PROFILE], cwd=ROOT
+
+def _version() -> str:
+    with open(os.path.join(PACKAGE_DIR, "__init__.py"), encoding="utf-8") as f:
+        return re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
+
+
+def _build_info_module():
+    """`fastsafetensors_rs/_build_info.py`, loaded by path: the one definition of what the
+    extension records about its build and of which torch may load it."""
+    spec = importlib.util.spec_from_file_location("_fastsafetensors_build_info",
+                                                  os.path.join(PACKAGE_DIR, "_build_info.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class CleanBuild(build):
+    """Starts every out-of-place build from an empty build/lib: setuptools would otherwise
+    package whatever an earlier build left there (modules since deleted or renamed, an
+    extension compiled against another torch)."""
+
+    def run(self):
+        build_lib = os.path.abspath(self.build_lib)
+        if build_lib.startswith(os.path.join(ROOT, "build") + os.sep) and os.path.isdir(build_lib):
+            shutil.rmtree(build_lib)
+        super().run()
+
+
+class TorchMissing(build_ext):
+    """Stands in for the torch build command where torch cannot be imported."""
+
+    def run(self):
+        raise SystemExit(
+            "fastsafetensors-rs: building the extension needs torch>=2.8 installed in this "
+            "environment; install torch, then `pip install --no-build-isolation .`"
         )
-        super().build_extensions()
 
 
-extension = CppExtension(
-    name="fastsafetensors_rs._C",
-    sources=["csrc/ops.cpp"],
-    include_dirs=[os.path.join(TARGET, "cxxbridge")],
-    extra_compile_args=["-O2", "-fvisibility=hidden"],
-    extra_objects=[STATICLIB],
-    # Keep the Rust runtime's symbols private to this library.
-    extra_link_args=["-Wl,--exclude-libs,ALL", "-lutil", "-lrt", "-lpthread", "-lm", "-ldl"],
-)
+def _torch_build_ext():
+    import torch
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+    release = tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])
+    if release < MIN_TORCH:
+        raise SystemExit(
+            f"fastsafetensors-rs needs torch>={MIN_TORCH[0]}.{MIN_TORCH[1]} to build; this "
+            f"environment has torch {torch.__version__}"
+        )
+    build_info = _build_info_module()
+    profile = os.environ.get("FASTSAFETENSORS_CARGO_PROFILE", "release")
+    target = os.path.join(ROOT, "target")
+    cargo_out = os.path.join(target, "debug" if profile == "dev" else profile)
+    staticlib = os.path.join(cargo_out, "libfastsafetensors.a")
+    cxxbridge = os.path.join(target, "cxxbridge")
+    info = dict(build_info.describe(torch), profile=profile, debug=_debug())
+
+    class BuildWithCargo(BuildExtension):
+        """Runs `cargo build` first (the extension links the staticlib and includes the
+        headers cxx generates under target/cxxbridge), then compiles csrc/ against this
+        environment's torch and records which torch that was beside the library."""
+
+        def finalize_options(self):
+            super().finalize_options()
+            # Object files of one torch are never reused for another.
+            self.build_temp = os.path.join(self.build_temp, f"torch-{torch.__version__}-{profile}")
+
+        def build_extensions(self):
+            if shutil.which("cargo") is None:
+                raise SystemExit("fastsafetensors-rs: building needs cargo (a Rust toolchain: https://rustup.rs)")
+            subprocess.check_call(
+                ["cargo", "build", "--locked", "--lib", "--profile", profile, "--target-dir", target], cwd=ROOT)
+            for ext in self.extensions:
+                self._configure(ext)
+                info_path = os.path.join(os.path.dirname(self.get_ext_fullpath(ext.name)), build_info.FILE)
+                if _read_json(info_path) != info:
+                    self.force = True  # built for another torch or with other options
+            super().build_extensions()
+            for ext in self.extensions:
+                library = self.get_ext_fullpath(ext.name)
+                _remove_other_builds(library)
+                with open(os.path.join(os.path.dirname(library), build_info.FILE), "w", encoding="utf-8") as f:
+                    json.dump(info, f, indent=1, sort_keys=True)
+                    f.write("\n")
+
+        def copy_extensions_to_source(self):
+            """Editable installs: the library is built out of place, then copied beside the
+            sources; its build record goes with it and other builds there go."""
+            super().copy_extensions_to_source()
+            build_py = self.get_finalized_command("build_py")
+            for ext in self.extensions:
+                inplace_library, built_library = self._get_inplace_equivalent(build_py, ext)
+                _remove_other_builds(inplace_library)
+                self.copy_file(os.path.join(os.path.dirname(built_library), build_info.FILE),
+                               os.path.join(os.path.dirname(inplace_library), build_info.FILE))
+
+        def _configure(self, ext):
+            torch_ext = CppExtension(ext.name, ext.sources, py_limited_api=True)
+            ext.include_dirs = torch_ext.include_dirs + [cxxbridge]
+            ext.library_dirs = torch_ext.library_dirs
+            ext.libraries = torch_ext.libraries
+            ext.language = torch_ext.language
+            ext.py_limited_api = True
+            ext.extra_objects = [staticlib]
+            # A Rust change reaches the extension through the staticlib's timestamp.
+            ext.depends = [staticlib, os.path.join(cxxbridge, "rust", "cxx.h")]
+            ext.extra_compile_args = ["-O2", "-fvisibility=hidden"] + (["-g"] if info["debug"] else [])
+            ext.extra_link_args = (
+                # Keep the Rust runtime's symbols private to this library.
+                ["-Wl,--exclude-libs,ALL", "-lutil", "-lrt", "-lpthread", "-lm", "-ldl"]
+                # Release builds drop the DWARF of the staticlib (cargo's release profile keeps
+                # it for sanitizers and profilers) and of csrc: ~19 MB of a ~23 MB library.
+                + ([] if info["debug"] else ["-Wl,--strip-debug"])
+            )
+
+    return BuildWithCargo
+
+
+def _remove_other_builds(library):
+    """Deletes `_C.<other suffix>.so` beside `library` (an in-place build of another Python
+    or an older layout): the package loads the first `_C` it finds."""
+    directory, name = os.path.split(library)
+    stem = name.split(".", 1)[0]
+    for other in os.listdir(directory):
+        if other != name and other.startswith(stem + ".") and other.endswith(".so"):
+            os.remove(os.path.join(directory, other))
+
+
+def _read_json(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _cmdclass():
+    build_ext_class = _torch_build_ext() if importlib.util.find_spec("torch") else TorchMissing
+    return {"build": CleanBuild, "build_ext": build_ext_class}
+
+
+with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    README = f.read()
 
 setup(
     name="fastsafetensors-rs",
-    version="0.1.0",
-    description="Fast .safetensors loading into CPU or GPU memory (Rust core, torch ops)",
-    packages=["fastsafetensors_rs"],
+    version=_version(),
+    description="Fast .safetensors loading into CPU or GPU memory: a Rust core behind native torch ops",
+    long_description=README,
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    license_files=["LICENSE"],
+    keywords=["safetensors", "pytorch", "model loading", "gpudirect storage", "vllm"],
+    classifiers=[
+        "Development Status :: 3 - Alpha",
+        "Environment :: GPU :: NVIDIA CUDA",
+        "Intended Audience :: Developers",
+        "Intended Audience :: Science/Research",
+        "Operating System :: POSIX :: Linux",
+        "Programming Language :: C++",
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3 :: Only",
+        "Programming Language :: Rust",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+    packages=find_packages(where="python", include=[PACKAGE, PACKAGE + ".*"]),
     package_dir={"": "python"},
-    ext_modules=[extension],
-    cmdclass={"build_ext": BuildWithCargo},
-    python_requires=">=3.9",
-    install_requires=["torch>=2.5"],
-    # vLLM loads general plugins from this group: it adds the load format `fastsafetensors_rs`.
-    entry_points={"vllm.general_plugins": ["fastsafetensors_rs = fastsafetensors_rs.vllm_plugin:register"]},
+    include_package_data=True,
+    ext_modules=[Extension(PACKAGE + "._C", sources=["csrc/ops.cpp"], py_limited_api=True)],
+    cmdclass=_cmdclass(),
+    options={"bdist_wheel": {"py_limited_api": LIMITED_API}},
+    python_requires=">=3.10",
+    install_requires=["torch>=2.8"],
+    entry_points={
+        "console_scripts": ["fastsafetensors-rs = fastsafetensors_rs.cli:main"],
+        # vLLM loads general plugins from this group: it adds the load format `fastsafetensors_rs`.
+        "vllm.general_plugins": ["fastsafetensors_rs = fastsafetensors_rs.vllm_plugin:register"],
+    },
+    zip_safe=False,
 )

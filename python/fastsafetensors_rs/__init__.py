@@ -3,17 +3,59 @@
 Importing the package registers the torch ops `torch.ops.fastsafetensors.*`:
 `load(files, device="cpu", dtype=None, reader=None) -> Dict[str, Tensor]` and friends,
 usable from Python, TorchScript and C++.
+
+The fastsafetensors-compatible API and the integrations are imported on first use of one of
+their names (PEP 562), so that `import fastsafetensors_rs` costs little beyond the library.
 """
 
+import importlib
+
+from . import _fake, _logging
+from ._logging import enable_logging
 from ._ops import LIBRARY_PATH, ops
 from .api import load, load_file, release_staging_buffers, safe_open, stream
-from .compat import DType, FilesBufferOnDevice, ParallelLoader, SafeTensorsFileLoader, SingleGroup, fastsafe_open
-from .integrations import enable_logging, patch_transformers, patched_transformers, unpatch_transformers, weights_iterator
 
 __version__ = "0.1.0"
 
-__all__ = ["LIBRARY_PATH", "load", "load_file", "ops", "release_staging_buffers", "safe_open", "stream",
-           "__version__",
-           "DType", "FilesBufferOnDevice", "ParallelLoader", "SafeTensorsFileLoader", "SingleGroup",
-           "fastsafe_open",
-           "enable_logging", "patch_transformers", "patched_transformers", "unpatch_transformers", "weights_iterator"]
+# Public name -> the module that defines it, imported when the name is first used.
+_LAZY = {
+    "DType": ".compat",
+    "FilesBufferOnDevice": ".compat",
+    "ParallelLoader": ".compat",
+    "SafeTensorsFileLoader": ".compat",
+    "SingleGroup": ".compat",
+    "fastsafe_open": ".compat",
+    "patch_transformers": ".transformers_patch",
+    "patched_transformers": ".transformers_patch",
+    "unpatch_transformers": ".transformers_patch",
+    "weights_iterator": ".weights",
+    "install_as_fastsafetensors": "._alias",
+    "FastsafetensorsAliasWarning": "._alias",
+}
+
+# Submodules reachable as attributes (`fastsafetensors_rs.compat`), as when all were eager.
+_SUBMODULES = {"cli", "compat", "integrations", "loader", "parallel_loader", "progress", "transformers_patch",
+               "vllm_plugin", "weights"}
+
+__all__ = ["LIBRARY_PATH", "enable_logging", "load", "load_file", "ops", "release_staging_buffers", "safe_open",
+           "stream", "__version__", *_LAZY]
+
+# What importing the integrations did eagerly, kept eager: FASTSAFETENSORS_LOG is applied and
+# the fake kernel (torch.compile / FakeTensorMode) is registered with the ops.
+_logging.configure_from_env()
+_fake.register_fake_kernels()
+
+
+def __getattr__(name):
+    if name in _SUBMODULES:
+        return importlib.import_module("." + name, __name__)
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY) | _SUBMODULES)

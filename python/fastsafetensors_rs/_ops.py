@@ -2,9 +2,12 @@
 
 import glob
 import importlib.machinery
+import json
 import os
 
 import torch
+
+from . import _build_info
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -16,8 +19,25 @@ def _library_path() -> str:
             return candidates[0]
     raise ImportError(
         f"fastsafetensors_rs: the compiled extension _C is missing from {_HERE}; "
-        "build it with `pip install --no-build-isolation -e .` (or `make build`)"
+        "build it with `pip install --no-build-isolation .` (or `make build`)"
     )
+
+
+def _check_built_for_this_torch() -> None:
+    """Refuses, with both versions and the rebuild command, an extension compiled against a
+    torch whose C++ ABI differs from the running one (see `_build_info`)."""
+    path = os.path.join(_HERE, _build_info.FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            built = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ImportError(
+            f"fastsafetensors_rs: {path} (which torch the extension was compiled against) is missing "
+            f"or unreadable ({e}); rebuild: {_build_info.REBUILD}"
+        ) from None
+    problem = _build_info.incompatibility(built, _build_info.describe(torch))
+    if problem:
+        raise ImportError(problem)
 
 
 def _point_at_cufile() -> None:
@@ -32,6 +52,7 @@ def _point_at_cufile() -> None:
 
 
 LIBRARY_PATH = _library_path()
+_check_built_for_this_torch()
 _point_at_cufile()
 torch.ops.load_library(LIBRARY_PATH)
 ops = torch.ops.fastsafetensors

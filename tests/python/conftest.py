@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -13,6 +14,32 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fst_testutils as U  # noqa: E402
+
+SOURCE_PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "python"
+
+
+def _package_dir() -> Path | None:
+    spec = importlib.util.find_spec("fastsafetensors_rs")
+    return Path(spec.origin).resolve().parent if spec and spec.origin else None
+
+
+def pytest_report_header(config):
+    return f"fastsafetensors_rs from {_package_dir()}, torch {torch.__version__}"
+
+
+def pytest_configure(config):
+    """With FASTSAFETENSORS_TEST_INSTALLED=1 (what `make test` sets) the suite must test the
+    installed package: one imported from the source tree (an editable install, python/ on
+    sys.path) is refused."""
+    if os.environ.get("FASTSAFETENSORS_TEST_INSTALLED") != "1":
+        return
+    package = _package_dir()
+    if package is None:
+        raise pytest.UsageError("fastsafetensors_rs is not installed in this environment")
+    if package.is_relative_to(SOURCE_PACKAGE_ROOT):
+        raise pytest.UsageError(
+            f"fastsafetensors_rs would be imported from the source tree ({package}), not from an "
+            "installed wheel: run `make build` (or unset FASTSAFETENSORS_TEST_INSTALLED)")
 
 
 @pytest.fixture(autouse=True)

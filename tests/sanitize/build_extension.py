@@ -10,6 +10,7 @@ preload gcc's libasan to run it. The in-place build (python/fastsafetensors_rs/_
 left alone.
 """
 
+import json
 import os
 import shutil
 import sys
@@ -48,6 +49,13 @@ def main(staticlib: str, cxxbridge: str, out: str) -> None:
             "--build-temp", os.path.join(os.path.abspath(out), "build"),
         ],
     )
+    # The package loads only an extension whose build record matches the running torch.
+    sys.path.insert(0, package)
+    import _build_info
+    import torch
+
+    with open(os.path.join(package, _build_info.FILE), "w", encoding="utf-8") as f:
+        json.dump(_build_info.describe(torch), f)
 
 
 if __name__ == "__main__":

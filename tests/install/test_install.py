@@ -1,0 +1,327 @@
+"""Installs the project the ways users do and checks each result from outside the source tree.
+
+Run by `make test-install` (part of `make test`) with .venv's interpreter, which builds
+(torch 2.15, setuptools, wheel, build). Every check runs with its working directory in a
+scratch directory outside the checkout, so `python/` is never importable; the package must
+come from where it was installed (each check asserts where it was imported from).
+
+- default build isolation stops at once with the `--no-build-isolation` advice;
+- the sdist holds everything a build needs and, unpacked away from the checkout, builds a
+  wheel; a Rust edit and a deleted module in that tree reach its next non-editable build;
+  with the tree deleted, the wheel installs into a fresh venv (pip resolves torch itself)
+  and works there: API, CLI, console script, core tests;
+- `pip install --no-build-isolation <checkout>` in fresh venvs holding the oldest supported
+  torch and the one vLLM pins (with IBM's fastsafetensors beside it), and the clear error a
+  wheel built for another torch gives there.
+
+Environment: FASTSAFETENSORS_TORCH_RANGE (default "2.8.0 2.14.0"; 2.15 is .venv's),
+FASTSAFETENSORS_KEEP_INSTALL_TESTS=1 keeps the scratch directory (about 5 GB per venv).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import textwrap
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE_PYTHON = getattr(sys, "_base_executable", sys.executable)
+TORCH_RANGE = os.environ.get("FASTSAFETENSORS_TORCH_RANGE", "2.8.0 2.14.0").split()
+TORCH_VLLM = "2.14.0"  # what vLLM 0.33 pins; IBM's fastsafetensors is installed beside ours there
+IBM_FASTSAFETENSORS = "fastsafetensors==0.5.0"
+# The suites that exercise what depends on torch's version: the op schema and registration,
+# every dtype (float8, float4, e8m0) through from_blob, the header-only ops, TorchScript, the
+# fake kernel, and the compatible API; less the tests that start fresh interpreters or
+# compile with inductor (slow, and no more torch-version-specific). About 30 s on 2 cores.
+CORE_TESTS = ["test_roundtrip.py", "test_safe_open.py", "test_errors.py", "test_torchscript.py",
+              "test_integrations_fake.py", "test_compat_api.py"]
+CORE_TESTS_DESELECT = "not fresh_process and not inductor and not buffered_fallback and not in_one_process"
+CORE_TEST_DEPS = ["safetensors==0.8.0", "pytest", "numpy", "psutil"]
+MARKER = "not a regular file"  # rust/error.rs's message for /dev/null, edited in a copy below
+
+
+# ---------------------------------------------------------------- helpers
+
+def run(cmd, *, cwd, env=None, check=True, timeout=1800) -> subprocess.CompletedProcess:
+    """Runs `cmd`, prints it with its wall time; with `check`, fails with its output."""
+    cmd = [str(c) for c in cmd]
+    full_env = dict(os.environ)
+    for name in ("PYTHONPATH", "FASTSAFETENSORS_READER", "VIRTUAL_ENV"):
+        full_env.pop(name, None)
+    full_env.update(env or {})
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    print(f"[{time.monotonic() - start:6.1f} s] {' '.join(cmd)} -> {proc.returncode}", flush=True)
+    if check:
+        assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def pip_install(python, *requirements, cwd) -> None:
+    """`pip install` by way of the run's wheelhouse (FASTSAFETENSORS_WHEELHOUSE, which `make
+    venv` fills): what an earlier step downloaded is not downloaded again. Without one, a
+    plain `pip install`."""
+    wheelhouse = os.environ.get("FASTSAFETENSORS_WHEELHOUSE")
+    if not wheelhouse:
+        run([python, "-m", "pip", "install", *requirements], cwd=cwd)
+        return
+    # Files given by path (the wheel under test) are installed from where they are.
+    named = [r for r in map(str, requirements) if not os.path.exists(r)]
+    run([python, "-m", "pip", "download", "-d", wheelhouse, *named], cwd=cwd)
+    run([python, "-m", "pip", "install", "--no-index", "--find-links", wheelhouse, *requirements], cwd=cwd)
+
+
+def oldest_python() -> str:
+    """Python 3.10 (the oldest the package declares) where one is installed, else .venv's."""
+    candidates = [shutil.which("python3.10"),
+                  *sorted(str(p) for p in Path.home().glob(".pyenv/versions/3.10.*/bin/python3.10"))]
+    for candidate in filter(None, candidates):
+        if subprocess.run([candidate, "-c", "pass"], capture_output=True).returncode == 0:
+            return candidate
+    return BASE_PYTHON
+
+
+def make_venv(path: Path, python: str = BASE_PYTHON) -> Path:
+    run([python, "-m", "venv", path], cwd=path.parent)
+    return path / "bin" / "python"
+
+
+def seed_cargo_target(tree: Path) -> None:
+    """Gives a source tree outside the checkout a cargo target directory holding the
+    checkout's compiled dependencies, without any artifact of the crate itself: the crate
+    is compiled from the tree's own sources, its dependencies are not compiled again (that
+    would add minutes and test cargo, not this project)."""
+    seed = ROOT / "target" / "release"
+    if not seed.is_dir():
+        return
+    dest = tree / "target" / "release"
+    shutil.copytree(seed, dest, symlinks=True,
+                    ignore=shutil.ignore_patterns("*fastsafetensors-*", "libfastsafetensors.*"))
+    assert not list(dest.rglob("*fastsafetensors*")), "the crate's own artifacts must not be seeded"
+
+
+def only(paths) -> Path:
+    paths = list(paths)
+    assert len(paths) == 1, paths
+    return paths[0]
+
+
+# Run inside the environment under test: loads the checkpoint with fastsafetensors_rs and
+# compares every tensor, byte for byte, with safetensors.torch.load_file.
+CHECK = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    import torch
+    from safetensors.torch import load_file
+    import fastsafetensors_rs as fst
+
+    checkpoint, expected_home, source_tree = sys.argv[1:4]
+    home = Path(fst.__file__).resolve().parent
+    assert home.is_relative_to(Path(expected_home).resolve()), f"imported from {home}"
+    assert not home.is_relative_to(Path(source_tree).resolve()), f"imported from the source tree: {home}"
+    files = sorted(Path(checkpoint).glob("*.safetensors"))
+    assert files, checkpoint
+    count = 0
+    for f in files:
+        got, want = fst.load_file(str(f)), load_file(str(f))
+        assert got.keys() == want.keys(), f
+        for name, t in want.items():
+            g = got[name]
+            assert (g.dtype, g.shape) == (t.dtype, t.shape), name
+            assert torch.equal(g.contiguous().view(-1).view(torch.uint8),
+                               t.contiguous().view(-1).view(torch.uint8)), name
+            count += 1
+    print(json.dumps({"torch": torch.__version__, "package": str(home), "tensors": count,
+                      "library_bytes": Path(fst.LIBRARY_PATH).stat().st_size}))
+""")
+
+
+def check_load(python, checkpoint, expected_home, cwd, env=None) -> str:
+    proc = run([python, "-c", CHECK, checkpoint, expected_home, ROOT / "python"], cwd=cwd, env=env)
+    return proc.stdout
+
+
+def run_core_tests(python, cwd):
+    proc = run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", CORE_TESTS_DESELECT,
+         *[ROOT / "tests" / "python" / t for t in CORE_TESTS]],
+        cwd=cwd, env={"FASTSAFETENSORS_TEST_INSTALLED": "1"})
+    print(proc.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="session")
+def scratch():
+    path = Path(tempfile.mkdtemp(prefix="fastsafetensors-rs-install-"))
+    assert not path.is_relative_to(ROOT)
+    yield path
+    if os.environ.get("FASTSAFETENSORS_KEEP_INSTALL_TESTS") != "1":
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(scratch):
+    """A real Hugging Face checkpoint: a small randomly initialised Llama saved by
+    transformers in several shards (bf16, with the index file)."""
+    out = scratch / "checkpoint"
+    code = textwrap.dedent("""
+        import sys, torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model.save_pretrained(sys.argv[1], max_shard_size="200KB")
+    """)
+    run([sys.executable, "-c", code, out], cwd=scratch)
+    assert len(list(out.glob("*.safetensors"))) > 1
+    return out
+
+
+@pytest.fixture(scope="session")
+def built_wheel():
+    """The wheel `make build` made with .venv's torch (2.15)."""
+    return only((ROOT / "dist" / "wheel").glob("fastsafetensors_rs-*.whl"))
+
+
+# ---------------------------------------------------------------- the install paths
+
+def test_build_isolation_stops_at_once(scratch):
+    """pip's default (isolated) build cannot see the installed torch: it must stop before
+    downloading or compiling anything and say how to build."""
+    start = time.monotonic()
+    proc = run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", scratch / "isolated", ROOT],
+               cwd=scratch, check=False)
+    elapsed = time.monotonic() - start
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    assert "pip install --no-build-isolation" in output, output
+    assert "torch" not in "".join(line for line in output.splitlines() if "Collecting" in line), output
+    assert not list((scratch / "isolated").rglob("_C*.so"))
+    assert elapsed < 120, f"took {elapsed:.0f} s"
+
+
+def test_sdist_builds_a_wheel_that_works_in_a_fresh_venv(scratch, checkpoint):
+    """The sdist holds everything a build needs; unpacked away from the checkout it builds a
+    wheel; a Rust edit and a deleted module in that tree reach its next build; with the tree
+    deleted, the first wheel installs into a fresh venv (pip resolves torch) and works."""
+    out = scratch / "sdist"
+    run([sys.executable, "-m", "build", "--sdist", "--outdir", out, ROOT], cwd=scratch)
+    sdist = only(out.glob("fastsafetensors_rs-*.tar.gz"))
+    with tarfile.open(sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+        pkg_info = tar.extractfile(next(m for m in tar.getmembers() if m.name.endswith("/PKG-INFO"))).read().decode()
+        tar.extractall(scratch / "src", filter="data")
+    for required in ["Cargo.toml", "Cargo.lock", "rust/lib.rs", "rust/build.rs", "rust/bridge.rs",
+                     "csrc/ops.cpp", "setup.py", "pyproject.toml", "README.md", "LICENSE",
+                     "build_backend/fastsafetensors_build.py",
+                     "python/fastsafetensors_rs/__init__.py", "python/fastsafetensors_rs/compat/__init__.py"]:
+        assert required in names, f"{required} missing from {sdist.name}"
+    assert not [n for n in names if n.endswith(".so") or n.startswith(("target/", "build/"))
+                or n.endswith("_build_info.json")], names
+    for field in ["Name: fastsafetensors-rs", "Requires-Dist: torch>=2.8", "Requires-Python: >=3.10",
+                  "License: Apache-2.0", "License-File: LICENSE", "Description-Content-Type: text/markdown"]:
+        assert field in pkg_info, f"{field!r} not in PKG-INFO:\n{pkg_info}"
+
+    tree = only((scratch / "src").iterdir())
+    seed_cargo_target(tree)
+    wheels = scratch / "wheels"
+    run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w", wheels / "a", tree],
+        cwd=scratch)
+    wheel = only((wheels / "a").glob("*.whl"))
+    assert wheel.name.endswith("-cp310-abi3-linux_x86_64.whl"), wheel.name
+    print(f"{wheel.name}: {wheel.stat().st_size} bytes; sdist {sdist.stat().st_size} bytes")
+    with zipfile.ZipFile(wheel) as zf:
+        entry_points = zf.read(only(n for n in zf.namelist() if n.endswith(".dist-info/entry_points.txt"))).decode()
+    assert "fastsafetensors-rs = fastsafetensors_rs.cli:main" in entry_points, entry_points
+    assert "fastsafetensors_rs = fastsafetensors_rs.vllm_plugin:register" in entry_points, entry_points
+
+    # A Rust edit and a deleted module in the same tree must both reach the next
+    # non-editable build (no stale library or module reused from its build/ directory).
+    errors = tree / "rust" / "error.rs"
+    text = errors.read_text()
+    assert MARKER in text, f"the message {MARKER!r} is gone from rust/error.rs: pick another"
+    errors.write_text(text.replace(MARKER, MARKER + " (edited)"))
+    (tree / "python" / "fastsafetensors_rs" / "parallel_loader.py").unlink()
+    run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w", wheels / "b", tree],
+        cwd=scratch)
+    edited = only((wheels / "b").glob("*.whl"))
+    assert "fastsafetensors_rs/parallel_loader.py" not in zipfile.ZipFile(edited).namelist()
+    site = scratch / "edited-site"
+    run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", site, edited], cwd=scratch)
+    proc = run([sys.executable, "-c", "import fastsafetensors_rs as f; f.load_file('/dev/null')"],
+               cwd=scratch, env={"PYTHONPATH": str(site)}, check=False)
+    assert MARKER + " (edited)" in proc.stderr, proc.stderr
+
+    shutil.rmtree(scratch / "src")
+    venv = scratch / "fresh"
+    python = make_venv(venv)
+    pip_install(python, wheel, *CORE_TEST_DEPS, cwd=scratch)
+    run([python, "-m", "pip", "check"], cwd=scratch)
+    print(check_load(python, checkpoint, venv, cwd=scratch))
+    inspect = run([venv / "bin" / "fastsafetensors-rs", "inspect", "--summary", "--json", checkpoint], cwd=scratch)
+    totals = json.loads(inspect.stdout)["totals"]
+    assert totals["files"] == len(list(checkpoint.glob("*.safetensors"))) and totals["tensors"] > 0, totals
+    run([python, "-m", "fastsafetensors_rs", "verify", checkpoint], cwd=scratch)
+    bad = scratch / "bad.safetensors"
+    bad.write_bytes(b"\xff" * 16)
+    proc = run([venv / "bin" / "fastsafetensors-rs", "verify", bad], cwd=scratch, check=False)
+    assert proc.returncode == 1 and str(bad) in proc.stdout + proc.stderr, proc
+    run_core_tests(python, cwd=scratch)
+    shutil.rmtree(venv)
+
+
+@pytest.mark.parametrize("torch_version", TORCH_RANGE)
+def test_no_build_isolation_install_per_torch(scratch, checkpoint, built_wheel, torch_version):
+    """`pip install --no-build-isolation <checkout>` into an environment that has only torch
+    (and, for vLLM's torch, IBM's fastsafetensors): the user's command, verbatim."""
+    venv = scratch / f"torch-{torch_version}"
+    # The oldest torch runs on the oldest Python available.
+    python = make_venv(venv, oldest_python() if torch_version == TORCH_RANGE[0] else BASE_PYTHON)
+    print(run([python, "--version"], cwd=scratch).stdout)
+    extra = [IBM_FASTSAFETENSORS] if torch_version == TORCH_VLLM else []
+    pip_install(python, f"torch=={torch_version}", *CORE_TEST_DEPS, *extra, cwd=scratch)
+    setuptools = run([python, "-c", "import setuptools; print(setuptools.__version__)"], cwd=scratch).stdout.strip()
+    if torch_version == TORCH_RANGE[0] and tuple(map(int, setuptools.split(".")[:2])) < (70, 1):
+        # A fresh venv's setuptools (65.5 from ensurepip) without `wheel`: the build stops
+        # with what to install instead of setuptools' "invalid command 'bdist_wheel'".
+        proc = run([python, "-m", "pip", "install", "--no-build-isolation", ROOT], cwd=scratch, check=False)
+        assert proc.returncode != 0 and "`pip install wheel`" in proc.stdout + proc.stderr, proc
+    pip_install(python, "setuptools", "wheel", cwd=scratch)
+    run([python, "-m", "pip", "install", "--no-build-isolation", ROOT], cwd=scratch)
+    run([python, "-m", "pip", "check"], cwd=scratch)
+    print(check_load(python, checkpoint, venv, cwd=scratch))
+    run_core_tests(python, cwd=scratch)
+
+    if extra:
+        # IBM's package is untouched and still what `import fastsafetensors` gives.
+        proc = run([python, "-c", textwrap.dedent("""
+            import importlib.metadata as md, fastsafetensors, fastsafetensors_rs
+            assert md.version("fastsafetensors") == "0.5.0", md.version("fastsafetensors")
+            assert "fastsafetensors_rs" not in fastsafetensors.__file__, fastsafetensors.__file__
+            assert hasattr(fastsafetensors, "SafeTensorsFileLoader")
+            print(fastsafetensors.__file__)
+        """)], cwd=scratch)
+        assert "site-packages/fastsafetensors/" in proc.stdout, proc.stdout
+        print("import fastsafetensors ->", proc.stdout.strip())
+
+    # The wheel built against .venv's torch refuses to load here, naming both versions.
+    site = scratch / f"other-torch-{torch_version}"
+    run([python, "-m", "pip", "install", "--no-deps", "--target", site, built_wheel], cwd=scratch)
+    proc = run([python, "-c", "import fastsafetensors_rs"], cwd=scratch, env={"PYTHONPATH": str(site)}, check=False)
+    built_for = run([sys.executable, "-c", "import torch; print(torch.__version__)"], cwd=scratch).stdout.strip()
+    assert proc.returncode == 1 and "ImportError" in proc.stderr, proc.stderr
+    assert f"compiled against torch {built_for}" in proc.stderr, proc.stderr
+    assert f"this environment has torch {torch_version}" in proc.stderr, proc.stderr
+    assert "--no-build-isolation" in proc.stderr, proc.stderr
+    shutil.rmtree(venv)
