@@ -40,7 +40,7 @@ use std::thread::JoinHandle;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::io::{HostRead, ReadPath, SourceFile};
-use crate::loader::{DeviceCopy, Planned};
+use crate::loader::{self, DeviceCopy, Planned};
 use crate::plan::{self, Extent, ExtentPolicy, Placement, IO_ALIGN};
 use crate::staged::{self, StagedFile, StagingOptions};
 use crate::stream::StreamOptions;
@@ -60,13 +60,10 @@ impl DeviceStream {
     pub fn open(planned: Planned, options: &StreamOptions) -> Result<DeviceStream> {
         let policy = ExtentPolicy { align: IO_ALIGN, max_gap: options.max_gap, max_len: options.group };
         let extents = plan::plan_extents(&planned.tensors, &planned.file_lens(), &policy);
-        let mut direct = vec![false; planned.sources.len()];
-        let mut chosen = vec![false; planned.sources.len()];
-        for e in &extents {
-            if !std::mem::replace(&mut chosen[e.file], true) {
-                direct[e.file] = planned.sources[e.file].choose(options.reader)? == HostRead::Direct;
-            }
-        }
+        let direct = loader::choose_reads(&planned.sources, &extents, options.reader, false)?
+            .into_iter()
+            .map(|how| how == HostRead::Direct)
+            .collect();
         let mut tensors = planned.tensors.into_iter();
         let groups = extents
             .into_iter()

@@ -156,16 +156,7 @@ impl Planned {
     pub fn read_to_host(self, options: &LoadOptions) -> Result<Loaded> {
         let policy = ExtentPolicy { max_gap: options.max_gap, ..ExtentPolicy::default() };
         let extents = plan::plan_extents(&self.tensors, &self.file_lens(), &policy);
-        let mut wanted = vec![0u64; self.sources.len()];
-        for e in &extents {
-            wanted[e.file] += e.len;
-        }
-        let mut how = Vec::with_capacity(self.sources.len());
-        for (src, &bytes) in self.sources.iter().zip(&wanted) {
-            // A file with nothing selected is not looked at.
-            how.push(if bytes == 0 { HostRead::Map } else { src.choose(options.reader)? });
-        }
-        map_what_does_not_fit(&mut how, &wanted, options.reader)?;
+        let how = choose_reads(&self.sources, &extents, options.reader, true)?;
         let readers = self
             .sources
             .iter()
@@ -191,8 +182,8 @@ impl Planned {
         for (e, b) in extents.iter().zip(&buffers) {
             paths[e.file] = b.read_path();
         }
-        for (src, &bytes) in self.sources.iter().zip(&wanted) {
-            if bytes > 0 {
+        for (src, &path) in self.sources.iter().zip(&paths) {
+            if path != ReadPath::NotRead {
                 src.check_unchanged()?;
             }
         }
@@ -340,11 +331,34 @@ pub fn release_staging_buffers() -> usize {
     crate::device::release_cuda_staging()
 }
 
+/// How each file is brought into host memory to read `extents` of it: a file with nothing to
+/// read is not looked at. When the caller keeps everything it reads (`keeps_all`), direct
+/// reads that would not fit in host memory are made mappings ([`map_what_does_not_fit`]).
+pub(crate) fn choose_reads<S: std::borrow::Borrow<SourceFile>>(
+    sources: &[S],
+    extents: &[Extent],
+    reader: ReaderKind,
+    keeps_all: bool,
+) -> Result<Vec<HostRead>> {
+    let mut wanted = vec![0u64; sources.len()];
+    for e in extents {
+        wanted[e.file] += e.len;
+    }
+    let mut how = Vec::with_capacity(sources.len());
+    for (src, &bytes) in sources.iter().zip(&wanted) {
+        how.push(if bytes == 0 { HostRead::Map } else { src.borrow().choose(reader)? });
+    }
+    if keeps_all {
+        map_what_does_not_fit(&mut how, &wanted, reader)?;
+    }
+    Ok(how)
+}
+
 /// Makes the direct reads of a load fit the host-memory limit. With the `auto` reader, files
 /// are mapped instead, from the last, until the rest fit: a mapping is page cache the kernel
 /// can reclaim, so a load larger than memory still succeeds, as it does with safetensors.
 /// An explicit `direct` reader is not overridden: it fails with a clear error instead.
-pub(crate) fn map_what_does_not_fit(how: &mut [HostRead], wanted: &[u64], reader: ReaderKind) -> Result<()> {
+fn map_what_does_not_fit(how: &mut [HostRead], wanted: &[u64], reader: ReaderKind) -> Result<()> {
     let mut owned: u64 = (0..how.len()).filter(|&i| how[i] == HostRead::Direct).map(|i| wanted[i]).sum();
     if reader != ReaderKind::Auto {
         return budget::check(owned);

@@ -129,19 +129,9 @@ impl TensorStream {
         let members: Vec<Vec<Placement>> =
             extents.iter().map(|e| placements.by_ref().take(e.tensors.len()).collect()).collect();
         let sources: Vec<Arc<SourceFile>> = planned.sources.into_iter().map(Arc::new).collect();
+        // Without a budget the caller keeps everything, as a load that returns it all does.
+        let how = loader::choose_reads(&sources, &extents, options.reader, options.budget == u64::MAX)?;
         // A reader for each file read directly; files mapped (or with nothing selected) have none.
-        let mut wanted = vec![0u64; sources.len()];
-        for e in &extents {
-            wanted[e.file] += e.len;
-        }
-        let mut how = Vec::with_capacity(sources.len());
-        for (src, &bytes) in sources.iter().zip(&wanted) {
-            how.push(if bytes == 0 { HostRead::Map } else { src.choose(options.reader)? });
-        }
-        if options.budget == u64::MAX {
-            // No budget: the caller keeps everything, as a load that returns it all does.
-            loader::map_what_does_not_fit(&mut how, &wanted, options.reader)?;
-        }
         let mut readers = vec![None; sources.len()];
         for (i, src) in sources.iter().enumerate() {
             if how[i] == HostRead::Direct {
