@@ -19,13 +19,12 @@ CHECK = """
 import os
 from safetensors.torch import load_file
 ref = {**load_file("a.safetensors"), **load_file("b.safetensors")}
-rank = dist.get_rank()
+rank = int(os.environ["RANK"])  # the group is destroyed by now
 assert torch.equal(embed, ref["embed_tokens.weight"])
 want_qkv = torch.cat([ref[n].chunk(2, dim=0)[rank] for n in ("q.weight", "k.weight", "v.weight")], dim=0)
 assert torch.equal(qkv, want_qkv)
 assert torch.equal(down, ref["down_proj.weight"].chunk(2, dim=1)[rank])
-print(f"rank {rank} of {dist.get_world_size()}: ok", flush=True)
-dist.destroy_process_group()
+print(f"rank {rank} of {os.environ['WORLD_SIZE']}: ok", flush=True)
 """
 
 

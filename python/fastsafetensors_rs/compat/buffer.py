@@ -142,12 +142,15 @@ class FilesBufferOnDevice:
         return list(self._entry(tensor_name).shape)
 
     def close(self) -> None:
-        """Drops this buffer's references. Tensors already returned stay valid; memory is
-        freed when the last tensor into it is gone. Idempotent."""
+        """Drops this buffer's references, the process group's included. Tensors already
+        returned stay valid; memory is freed when the last tensor into it is gone.
+        Idempotent."""
         self._closed = True
         self._local = {}
         self._received = {}
         self._prefetched = set()
+        self.pg = None
+        self._group.release()
 
     def __enter__(self) -> "FilesBufferOnDevice":
         return self

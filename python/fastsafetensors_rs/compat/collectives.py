@@ -29,6 +29,7 @@ class Group:
 
     def __init__(self, pg: Any):
         self.pg: Optional[dist.ProcessGroup] = None
+        self.released = False
         if pg is None or pg is SingleGroup or isinstance(pg, SingleGroup):
             self.rank, self.size = 0, 1
             return
@@ -54,45 +55,58 @@ class Group:
     def is_single(self) -> bool:
         return self.size == 1
 
+    def release(self) -> None:
+        """Drops the reference to the process group (rank and size are kept), so that
+        `destroy_process_group()` can tear the group down: a group still referenced at
+        interpreter exit has its gloo threads stopped during finalization, which torch 2.15
+        can abort on. Collectives fail afterwards."""
+        self.pg = None
+        self.released = True
+
+    def _process_group(self) -> dist.ProcessGroup:
+        if self.pg is None:
+            raise RuntimeError(
+                "the process group was released by close(); no collective can run"
+                if self.released else "a collective needs a process group of several ranks"
+            )
+        return self.pg
+
     def global_rank(self, group_rank: int) -> int:
-        assert self.pg is not None
-        return dist.get_global_rank(self.pg, group_rank)
+        return dist.get_global_rank(self._process_group(), group_rank)
 
     def broadcast(self, t: torch.Tensor, src: int) -> None:
         """Fills `t` on every rank with `src`'s `t`."""
-        if self.pg is None or t.numel() == 0:
+        if self.is_single or t.numel() == 0:
             return
-        dist.broadcast(as_bytes(t), src=self.global_rank(src), group=self.pg)
+        dist.broadcast(as_bytes(t), src=self.global_rank(src), group=self._process_group())
 
     def scatter(
         self, out: torch.Tensor, chunks: Optional[Sequence[torch.Tensor]], src: int
     ) -> None:
         """Rank r's `out` receives `chunks[r]` of `src` (chunks: one per rank, each with
         `out`'s size, given on `src` only)."""
-        assert self.pg is not None
         if out.numel() == 0:
             return
         data = [as_bytes(c) for c in chunks] if self.rank == src and chunks is not None else None
-        dist.scatter(as_bytes(out), scatter_list=data, src=self.global_rank(src), group=self.pg)
+        dist.scatter(as_bytes(out), scatter_list=data, src=self.global_rank(src),
+                     group=self._process_group())
 
     def send(self, t: torch.Tensor, dst: int) -> None:
-        assert self.pg is not None
         if t.numel():
-            dist.send(as_bytes(t), dst=self.global_rank(dst), group=self.pg)
+            dist.send(as_bytes(t), dst=self.global_rank(dst), group=self._process_group())
 
     def recv(self, t: torch.Tensor, src: int) -> None:
-        assert self.pg is not None
         if t.numel():
-            dist.recv(as_bytes(t), src=self.global_rank(src), group=self.pg)
+            dist.recv(as_bytes(t), src=self.global_rank(src), group=self._process_group())
 
     def failed_ranks(self, ok: bool, device: torch.device) -> List[int]:
         """Tells every rank which ranks report `ok=False` (one small all-reduce), so that
         a failure on one rank is raised on all of them instead of leaving the others
         waiting in a collective."""
-        if self.pg is None:
+        if self.is_single:
             return [] if ok else [0]
         flags = torch.zeros(self.size, dtype=torch.int32, device=device)
         if not ok:
             flags[self.rank] = 1
-        dist.all_reduce(flags, group=self.pg)
+        dist.all_reduce(flags, group=self._process_group())
         return [r for r, bad in enumerate(flags.tolist()) if bad]

@@ -207,8 +207,15 @@ class SafeTensorsFileLoader:
         self._owner_of = {}
 
     def close(self) -> None:
-        """Forgets the registered files. Buffers and tensors already made stay valid."""
+        """Forgets the registered files and lets go of the process group; the loader takes
+        no more files. Buffers and tensors already made stay valid. Idempotent."""
         self.reset()
+        self.pg = None
+        self._group.release()
+
+    def _check_open(self, what: str) -> None:
+        if self._group.released:
+            raise RuntimeError(f"{what}: the loader is closed; make a new SafeTensorsFileLoader")
 
     def get_keys(self) -> List[str]:
         """The names of all tensors of all registered files."""
@@ -226,6 +233,7 @@ class SafeTensorsFileLoader:
         """Registers files and the rank that reads each: `{rank: [paths]}`. Every rank must
         register the same mapping; each reads only its own files' data (all ranks read every
         header). Tensor names must be unique across files."""
+        self._check_open("add_filenames")
         for rank, paths in filenames.items():
             is_rank = isinstance(rank, int) and not isinstance(rank, bool)
             if not is_rank or not 0 <= rank < self._group.size:
@@ -277,6 +285,7 @@ class SafeTensorsFileLoader:
             use_buf_register, max_copy_block_size: accepted for compatibility; the core
                 plans its own reads.
         """
+        self._check_open("copy_files_to_device")
         plan = self._plan(cast_dtype(as_torch_dtype(dtype)))  # refused on every rank alike
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)

@@ -101,18 +101,20 @@ class ParallelLoader:
     def iterate_weights(self) -> Generator[Tuple[str, torch.Tensor], None, None]:
         """Yields (name, tensor) for every tensor of every file, the same sequence on every
         rank. Every rank must iterate to the end (or all must stop at the same point)."""
+        self.loader._check_open("iterate_weights")
         if self._active is not None:
             self._active.close()
         self._active = self._iterate()
         return self._active
 
     def close(self) -> None:
-        """Stops an iteration in progress (waiting for a read under way) and forgets the
-        files. Tensors already yielded stay valid."""
+        """Stops an iteration in progress (waiting for a read under way), forgets the files
+        and lets go of the process group. Tensors already yielded stay valid."""
         if self._active is not None:
             self._active.close()
             self._active = None
         self.loader.close()
+        self.pg = None
 
     # ------------------------------------------------------------ internals
 
