@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
+import scenarios
+
 PAGE = os.sysconf("SC_PAGE_SIZE")
 REPO = Path(__file__).resolve().parent.parent
 READERS = ["auto", "direct", "mmap"]
@@ -196,6 +198,10 @@ def run_dd(files: list[str], parallel: bool) -> None:
 
 def worker(loader: str, files: list[str]) -> dict[str, Any]:
     """Take one timed measurement; runs in a fresh interpreter."""
+    if loader.startswith("scenario:"):
+        import scenarios
+
+        return scenarios.worker(loader, files)
     nbytes = sum(os.path.getsize(f) for f in files)
     if loader.startswith("dd"):
         start = time.perf_counter()
@@ -365,6 +371,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--extra", default="", help="extra comma-separated rows, e.g. "
                     "ours:direct,ours:mmap,safetensors:pread")
     ap.add_argument("--json", type=Path, help="also write the results to this JSON file")
+    ap.add_argument("--no-throughput", action="store_true", help="skip the throughput table (scenarios only)")
+    scenarios.add_arguments(ap)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--verify", help=argparse.SUPPRESS)
     ap.add_argument("paths", nargs="*", help=argparse.SUPPRESS)
@@ -379,6 +387,7 @@ def main() -> int:
         return 0
     start = time.perf_counter()
     files, generated = ensure_checkpoint(args.dir, args.size_gb, args.files)
+    generated_dirs = [files[0].parent] if generated else []
     size_mb = sum(f.stat().st_size for f in files) / 2**20
     origin = f"generated in {time.perf_counter() - start:.1f} s" if generated else "cached"
     print(f"checkpoint: {len(files)} files, {size_mb:.0f} MB, {files[0].parent} ({origin})")
@@ -397,15 +406,25 @@ def main() -> int:
         ours = (["ours", "ours-file"] if available else []) + [
             name for name in extra if available and name.startswith("ours")]
         peers = ["safetensors"] + [name for name in extra if not name.startswith("ours")]
-        results, sound = measure(ours + peers + ["dd", "dd:parallel", "memcpy"], files, args.runs)
-        verdicts = report(results, size_mb)
+        results, verdicts, sound = {}, [], True
+        if not args.no_throughput:
+            results, sound = measure(ours + peers + ["dd", "dd:parallel", "memcpy"], files, args.runs)
+            verdicts = report(results, size_mb)
+        scenario_results: dict[str, Any] = {}
+        if available and args.scenarios:
+            scenario_verdicts, scenarios_sound, scenario_results = scenarios.run(args, files)
+            generated_dirs += [Path(g) for g in scenario_results.pop("generated")]
+            sound = sound and scenarios_sound
+            print("\nscenario targets:\n  " + "\n  ".join(scenario_verdicts))
+            verdicts += scenario_verdicts
         if args.json:
             args.json.write_text(json.dumps({"checkpoint_mb": size_mb, "files": list(map(str, files)),
-                                             "verify": check, "results": results,
+                                             "verify": check, "results": results, "scenarios": scenario_results,
                                              "verdicts": verdicts}, indent=1))
     finally:
-        if generated and not args.keep:
-            shutil.rmtree(files[0].parent, ignore_errors=True)
+        if not args.keep:
+            for d in generated_dirs:
+                shutil.rmtree(d, ignore_errors=True)
     if failed or not sound:
         print("\nFAILED: a loader crashed or returned wrong data (see above)")
     return 1 if failed or not sound else 0

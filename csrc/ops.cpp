@@ -5,9 +5,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <unordered_map>
 #include <vector>
@@ -19,7 +22,8 @@ namespace fastsafetensors {
 namespace {
 
 using TensorDict = c10::Dict<std::string, at::Tensor>;
-using Buffer = std::shared_ptr<::rust::Box<rs::BufferRef>>;
+// Names and tensors in read order.
+using NamedTensors = std::tuple<std::vector<std::string>, std::vector<at::Tensor>>;
 
 // Calls into Rust, turning its errors into torch errors (RuntimeError in Python).
 template <class F>
@@ -31,9 +35,11 @@ auto call_rust(F&& f) -> decltype(f()) {
   }
 }
 
+std::string_view view(const ::rust::String& s) { return {s.data(), s.size()}; }
+
 // The torch dtype of a safetensors dtype name.
 at::ScalarType scalar_type(const rs::TensorSpec& t) {
-  static const std::unordered_map<std::string, at::ScalarType> table = {
+  static const std::unordered_map<std::string_view, at::ScalarType> table = {
       {"BOOL", at::kBool},
       {"U8", at::kByte},
       {"I8", at::kChar},
@@ -55,7 +61,7 @@ at::ScalarType scalar_type(const rs::TensorSpec& t) {
       {"F8_E8M0", at::kFloat8_e8m0fnu},
       {"F4", at::kFloat4_e2m1fn_x2},
   };
-  auto it = table.find(std::string(t.dtype));
+  auto it = table.find(view(t.dtype));
   TORCH_CHECK(it != table.end(), "tensor '", std::string(t.name), "': dtype ", std::string(t.dtype),
               " has no torch equivalent");
   return it->second;
@@ -64,7 +70,7 @@ at::ScalarType scalar_type(const rs::TensorSpec& t) {
 // The torch shape: torch packs F4 two per element (float4_e2m1fn_x2), halving the last dim.
 std::vector<int64_t> torch_shape(const rs::TensorSpec& t) {
   std::vector<int64_t> shape(t.shape.begin(), t.shape.end());
-  if (std::string(t.dtype) == "F4") {
+  if (view(t.dtype) == "F4") {
     TORCH_CHECK(!shape.empty() && shape.back() % 2 == 0, "tensor '", std::string(t.name),
                 "': F4 needs an even last dimension to load as torch.float4_e2m1fn_x2");
     shape.back() /= 2;
@@ -72,18 +78,52 @@ std::vector<int64_t> torch_shape(const rs::TensorSpec& t) {
   return shape;
 }
 
-// A tensor over the bytes of `t` in a host buffer. Each tensor's deleter holds a reference
-// on its buffer, so the buffer lives exactly as long as the last tensor into it.
-at::Tensor wrap_host(const rs::TensorSpec& t, const Buffer& buffer) {
+// One host buffer of the Rust loader, shared by the tensors in it. Each tensor's DataPtr
+// holds one count (its context), so the Rust buffer is released with the last tensor into
+// it. A count per tensor, rather than a std::function deleter holding a shared_ptr, costs no
+// allocation per tensor: what matters for checkpoints of 100k small tensors.
+class SharedBuffer {
+ public:
+  // The buffer, with one count held by the returned handle.
+  static std::unique_ptr<SharedBuffer, void (*)(SharedBuffer*)> take(::rust::Box<rs::BufferRef> ref) {
+    return {new SharedBuffer(std::move(ref)), [](SharedBuffer* b) { release(b); }};
+  }
+
+  uint8_t* base() const { return base_; }
+
+  // A count for one more tensor, as a DataPtr context released by `release`.
+  void* acquire() {
+    refs_.fetch_add(1, std::memory_order_relaxed);
+    return this;
+  }
+
+  static void release(void* ctx) {
+    auto* self = static_cast<SharedBuffer*>(ctx);
+    if (self->refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete self;
+  }
+
+ private:
+  explicit SharedBuffer(::rust::Box<rs::BufferRef> ref)
+      : ref_(std::move(ref)), base_(reinterpret_cast<uint8_t*>(ref_->address())) {}
+
+  ::rust::Box<rs::BufferRef> ref_;
+  uint8_t* base_;
+  std::atomic<size_t> refs_{1};
+};
+
+using Buffer = std::unique_ptr<SharedBuffer, void (*)(SharedBuffer*)>;
+
+// A tensor over the bytes of `t` in a host buffer, keeping the buffer alive.
+at::Tensor wrap_host(const rs::TensorSpec& t, SharedBuffer& buffer) {
   const auto type = scalar_type(t);
   const auto shape = torch_shape(t);
   const auto options = at::TensorOptions().dtype(type).device(at::kCPU);
   if (t.nbytes == 0) {
     return at::empty(shape, options);
   }
-  auto* data = reinterpret_cast<uint8_t*>((*buffer)->address()) + t.offset;
+  auto* data = buffer.base() + t.offset;
   if (t.aligned) {
-    return at::from_blob(data, shape, [buffer](void*) {}, options);
+    return at::for_blob(data, shape).context(buffer.acquire(), &SharedBuffer::release).options(options).make_tensor();
   }
   // Not aligned to its element size (the header length is not a multiple of it): copy the
   // bytes into fresh, aligned memory, then reinterpret them.
@@ -106,8 +146,9 @@ at::Tensor wrap_device(const rs::TensorSpec& t, const at::Tensor& buffer, int64_
 }
 
 // Fails, before anything is read, on a tensor torch cannot represent.
-void check_torch_types(const rs::PlannedFiles& planned) {
-  for (const auto& spec : planned.tensors()) {
+template <class Specs>
+void check_torch_types(const Specs& specs) {
+  for (const auto& spec : specs) {
     scalar_type(spec);
     torch_shape(spec);
   }
@@ -166,65 +207,134 @@ std::vector<std::string> from_rust(const ::rust::Vec<::rust::String>& strings) {
 
 using Loaded = std::tuple<TensorDict, std::vector<std::string>>;
 
-// One file's tensors as first wrapped: views of the file's buffer, unless marked otherwise.
-struct FileTensors {
+// Which tensors to load: all, or those `tensor_filter` selects in `mode`.
+rs::TensorSelection selection(const std::optional<std::vector<std::string>>& tensor_filter, const std::string& mode) {
+  rs::TensorSelection out{tensor_filter.has_value(), {}, ::rust::String(mode)};
+  if (tensor_filter) out.patterns = to_rust(*tensor_filter);
+  return out;
+}
+
+const rs::TensorSelection& everything() {
+  static const rs::TensorSelection all{false, {}, ::rust::String("glob")};
+  return all;
+}
+
+TensorDict to_dict(NamedTensors&& named) {
+  auto& [names, tensors] = named;
+  TensorDict out;
+  out.reserve(names.size());
+  for (size_t i = 0; i < names.size(); ++i) out.insert(std::move(names[i]), std::move(tensors[i]));
+  return out;
+}
+
+NamedTensors from_dict(const TensorDict& dict) {
+  NamedTensors out;
+  for (const auto& entry : dict) {
+    std::get<0>(out).push_back(entry.key());
+    std::get<1>(out).push_back(entry.value());
+  }
+  return out;
+}
+
+// One buffer's tensors as first wrapped: views of the buffer, unless marked otherwise.
+struct BufferTensors {
   std::vector<std::string> names;
   std::vector<at::Tensor> tensors;
-  std::vector<bool> views;  // shares the file's buffer (else: copied, or empty)
+  std::vector<bool> views;  // shares the buffer (else: copied, or empty)
 
   void add(const rs::TensorSpec& spec, at::Tensor tensor) {
-    names.emplace_back(spec.name);
+    names.emplace_back(spec.name.data(), spec.name.size());
     tensors.push_back(std::move(tensor));
     views.push_back(spec.aligned && spec.nbytes > 0);
   }
 };
 
-// Adds a file's tensors to `out`, cast to `dtype` where the cast rule says so. A buffer
-// outlives the call only if every tensor of its file is still a view of it: once one was
-// cast, the others are copied out (when `release` allows), so that the whole buffer is freed
-// as soon as the caller drops its own reference, instead of staying alive for a few small
-// uncast tensors beside the cast copies.
-void add_file(FileTensors&& file, std::optional<at::ScalarType> dtype, bool release, TensorDict& out) {
+// Adds a buffer's tensors to `out`, cast to `dtype` where the cast rule says so. A buffer
+// outlives the call only if every tensor in it is still a view of it: once one was cast, the
+// others are copied out (when `release` allows), so that the whole buffer is freed as soon
+// as the caller drops its own reference, instead of staying alive for a few small uncast
+// tensors beside the cast copies.
+void add_buffer(BufferTensors&& buffer, std::optional<at::ScalarType> dtype, bool release, NamedTensors& out) {
+  auto& [names, tensors] = out;
   std::vector<at::Tensor> results;
+  results.reserve(buffer.tensors.size());
   bool any_cast = false;
-  for (const auto& t : file.tensors) {
+  for (const auto& t : buffer.tensors) {
     results.push_back(cast(t, dtype));
     any_cast = any_cast || !results.back().is_same(t);
   }
   for (size_t k = 0; k < results.size(); ++k) {
-    if (any_cast && release && file.views[k] && results[k].is_same(file.tensors[k])) {
+    if (any_cast && release && buffer.views[k] && results[k].is_same(buffer.tensors[k])) {
       results[k] = results[k].clone();
     }
-    out.insert(file.names[k], std::move(results[k]));
+    names.push_back(std::move(buffer.names[k]));
+    tensors.push_back(std::move(results[k]));
   }
 }
 
-Loaded load_to_host(const std::vector<std::string>& files, const std::string& reader,
-                    std::optional<at::ScalarType> dtype) {
-  auto paths = to_rust(files);
-  auto planned = call_rust([&] { return rs::plan_files(paths); });
-  check_torch_types(*planned);
+// A zero-copy mapping holds page cache, not memory of its own: its views stay views.
+bool is_mapping(std::string_view read_path) { return read_path == "mmap" || read_path == "mmap-fallback"; }
+
+// Host buffers and their tensors as first wrapped, before any cast.
+struct Wrapped {
   std::vector<Buffer> buffers;
-  std::vector<FileTensors> by_file;
+  std::vector<bool> mapped;
+  std::vector<BufferTensors> by_buffer;
+  size_t count = 0;
+
+  void push(::rust::Box<rs::BufferRef> ref, bool is_mapped) {
+    buffers.push_back(SharedBuffer::take(std::move(ref)));
+    mapped.push_back(is_mapped);
+    by_buffer.emplace_back();
+  }
+
+  template <class Specs>
+  void add_tensors(const Specs& specs) {
+    for (const auto& spec : specs) {
+      by_buffer[spec.buffer].add(spec, wrap_host(spec, *buffers[spec.buffer]));
+    }
+    count += specs.size();
+  }
+
+  // The tensors, cast, in read order. The loader's own references must be gone by now, so
+  // that a buffer whose tensors were all cast or copied out is freed here.
+  NamedTensors finish(std::optional<at::ScalarType> dtype) && {
+    NamedTensors out;
+    std::get<0>(out).reserve(count);
+    std::get<1>(out).reserve(count);
+    for (size_t i = 0; i < by_buffer.size(); ++i) {
+      add_buffer(std::move(by_buffer[i]), dtype, !mapped[i], out);
+      buffers[i].reset();
+    }
+    return out;
+  }
+};
+
+// Wraps the tensors of `loaded`, whose read paths are `read_paths`.
+Wrapped wrap_loaded(const rs::LoadedFiles& loaded, const std::vector<std::string>& read_paths) {
+  Wrapped w;
+  for (size_t i = 0; i < loaded.buffer_count(); ++i) {
+    w.push(loaded.buffer(i), is_mapping(read_paths[loaded.buffer_file(i)]));
+  }
+  w.add_tensors(loaded.tensors());
+  return w;
+}
+
+std::tuple<NamedTensors, std::vector<std::string>> load_to_host(const std::vector<std::string>& files,
+                                                                const std::string& reader,
+                                                                const rs::TensorSelection& chosen,
+                                                                std::optional<at::ScalarType> dtype) {
+  auto paths = to_rust(files);
+  auto planned = call_rust([&] { return rs::plan_files(paths, chosen); });
+  check_torch_types(planned->tensors());
   std::vector<std::string> read_paths;
+  Wrapped wrapped;
   {
     auto loaded = call_rust([&] { return rs::read_to_host(std::move(planned), reader); });
     read_paths = from_rust(loaded->read_paths());
-    for (size_t i = 0; i < loaded->buffer_count(); ++i) {
-      buffers.push_back(std::make_shared<::rust::Box<rs::BufferRef>>(loaded->buffer(i)));
-    }
-    by_file.resize(buffers.size());
-    for (const auto& spec : loaded->tensors()) {
-      by_file[spec.buffer].add(spec, wrap_host(spec, buffers[spec.buffer]));
-    }
-  }  // From here on, only the tensors and `buffers` keep the files' memory.
-  TensorDict tensors;
-  for (size_t i = 0; i < by_file.size(); ++i) {
-    // A zero-copy mapping holds page cache, not memory of its own: its views stay views.
-    add_file(std::move(by_file[i]), dtype, read_paths[i] != "mmap", tensors);
-    buffers[i].reset();
-  }
-  return {std::move(tensors), std::move(read_paths)};
+    wrapped = wrap_loaded(*loaded, read_paths);
+  }  // From here on, only the tensors and `wrapped` keep the buffers' memory.
+  return {std::move(wrapped).finish(dtype), std::move(read_paths)};
 }
 
 // Torch's CUDA hooks, reached through the device-guard registry: the extension links none of
@@ -254,10 +364,8 @@ class ReadyEvent {
   void* event_ = nullptr;
 };
 
-Loaded load_to_cuda(const std::vector<std::string>& files, const c10::Device& target,
-                    const std::string& reader, std::optional<at::ScalarType> dtype,
-                    std::optional<bool> nogds) {
-  // Our own check first: a clear error, at once, on machines without a driver or device.
+// Our own check first: a clear error, at once, on machines without a driver or device.
+void check_cuda(const c10::Device& target) {
   size_t devices = 0;
   try {
     devices = rs::cuda_device_count();
@@ -265,9 +373,16 @@ Loaded load_to_cuda(const std::vector<std::string>& files, const c10::Device& ta
     TORCH_CHECK(false, "fastsafetensors: cannot load to ", target.str(), ": ", e.what());
   }
   TORCH_CHECK(devices > 0, "fastsafetensors: cannot load to ", target.str(), ": CUDA: no CUDA device is visible");
+}
+
+std::tuple<NamedTensors, std::vector<std::string>> load_to_cuda(const std::vector<std::string>& files,
+                                                                const c10::Device& target, const std::string& reader,
+                                                                std::optional<at::ScalarType> dtype,
+                                                                std::optional<bool> nogds) {
+  check_cuda(target);
   auto paths = to_rust(files);
-  auto planned = call_rust([&] { return rs::plan_files(paths); });
-  check_torch_types(*planned);
+  auto planned = call_rust([&] { return rs::plan_files(paths, everything()); });
+  check_torch_types(planned->tensors());
   // Plain "cuda" is torch's current device, also when there is nothing to load.
   const c10::Device device = target.has_index() ? target : cuda_hooks().getDevice();
   const int32_t gds = nogds.has_value() ? static_cast<int32_t>(*nogds) : -1;
@@ -277,9 +392,9 @@ Loaded load_to_cuda(const std::vector<std::string>& files, const c10::Device& ta
   // cast or copied out) before the next one is allocated.
   std::vector<std::vector<size_t>> groups(dtype && count > 0 ? count : 1);
   for (size_t i = 0; i < count; ++i) groups[dtype ? i : 0].push_back(i);
-  std::vector<FileTensors> by_file(count);
+  std::vector<BufferTensors> by_file(count);
   std::vector<std::string> read_paths(count);
-  TensorDict tensors;
+  NamedTensors tensors;
   for (const auto& group : groups) {
     // Destination memory comes from torch's caching allocator, so torch's memory statistics
     // (which vLLM sizes its KV cache from) count it.
@@ -308,24 +423,232 @@ Loaded load_to_cuda(const std::vector<std::string>& files, const c10::Device& ta
       by_file[spec.buffer].add(spec, wrap_device(spec, buffers[at], static_cast<int64_t>(copies[at].offset)));
     }
     buffers.clear();  // From here on, only the tensors keep the files' memory.
-    for (const size_t i : group) add_file(std::move(by_file[i]), dtype, true, tensors);
+    for (const size_t i : group) add_buffer(std::move(by_file[i]), dtype, true, tensors);
   }
   return {std::move(tensors), std::move(read_paths)};
 }
 
-Loaded load_with_report(std::vector<std::string> files, std::string device,
-                        std::optional<at::ScalarType> dtype, std::optional<std::string> reader,
-                        std::optional<bool> nogds) {
+// The selected tensors of `files` on `device`, in read order, and how each file was read.
+std::tuple<std::vector<std::string>, std::vector<at::Tensor>, std::vector<std::string>> load_named(
+    std::vector<std::string> files, std::string device, std::optional<at::ScalarType> dtype,
+    std::optional<std::string> reader, std::optional<bool> nogds,
+    std::optional<std::vector<std::string>> tensor_filter, std::string tensor_name_match_mode) {
   const auto target = target_device(device);
   check_cast_target(dtype);
-  return target.is_cpu() ? load_to_host(files, reader.value_or(""), dtype)
-                         : load_to_cuda(files, target, reader.value_or(""), dtype, nogds);
+  std::tuple<NamedTensors, std::vector<std::string>> loaded;
+  if (target.is_cpu()) {
+    loaded = load_to_host(files, reader.value_or(""), selection(tensor_filter, tensor_name_match_mode), dtype);
+  } else if (!tensor_filter) {
+    loaded = load_to_cuda(files, target, reader.value_or(""), dtype, nogds);
+  } else {
+    // A selection on CUDA: only the selected bytes are read, into host memory, then copied.
+    check_cuda(target);
+    loaded = load_to_host(files, reader.value_or(""), selection(tensor_filter, tensor_name_match_mode), std::nullopt);
+    for (auto& t : std::get<1>(std::get<0>(loaded))) t = cast(t.to(target), dtype);
+  }
+  auto& [named_tensors, read_paths] = loaded;
+  auto& [names, tensors] = named_tensors;
+  return {std::move(names), std::move(tensors), std::move(read_paths)};
 }
 
-TensorDict load(std::vector<std::string> files, std::string device,
-                std::optional<at::ScalarType> dtype, std::optional<std::string> reader,
-                std::optional<bool> nogds) {
-  return std::get<0>(load_with_report(std::move(files), std::move(device), dtype, std::move(reader), nogds));
+Loaded load_with_report(std::vector<std::string> files, std::string device, std::optional<at::ScalarType> dtype,
+                        std::optional<std::string> reader, std::optional<bool> nogds,
+                        std::optional<std::vector<std::string>> tensor_filter, std::string tensor_name_match_mode) {
+  auto [names, tensors, read_paths] = load_named(std::move(files), std::move(device), dtype, std::move(reader), nogds,
+                                                 std::move(tensor_filter), std::move(tensor_name_match_mode));
+  return {to_dict(NamedTensors{std::move(names), std::move(tensors)}), std::move(read_paths)};
+}
+
+TensorDict load(std::vector<std::string> files, std::string device, std::optional<at::ScalarType> dtype,
+                std::optional<std::string> reader, std::optional<bool> nogds,
+                std::optional<std::vector<std::string>> tensor_filter, std::string tensor_name_match_mode) {
+  return std::get<0>(load_with_report(std::move(files), std::move(device), dtype, std::move(reader), nogds,
+                                      std::move(tensor_filter), std::move(tensor_name_match_mode)));
+}
+
+// Rows [start, stop) of tensor `name`, reading only their bytes.
+at::Tensor load_rows(std::string file, std::string name, int64_t start, int64_t stop, std::optional<std::string> reader) {
+  TORCH_CHECK(start >= 0 && stop >= 0, "fastsafetensors: rows [", start, ", ", stop, ") of '", name,
+              "': negative row index");
+  std::vector<std::string> read_paths;
+  Wrapped wrapped;
+  {
+    auto loaded = call_rust([&] {
+      return rs::load_rows(file, name, static_cast<uint64_t>(start), static_cast<uint64_t>(stop), reader.value_or(""));
+    });
+    check_torch_types(loaded->tensors());
+    read_paths = from_rust(loaded->read_paths());
+    wrapped = wrap_loaded(*loaded, read_paths);
+  }
+  auto tensors = std::get<1>(std::move(wrapped).finish(std::nullopt));
+  TORCH_CHECK(tensors.size() == 1, "fastsafetensors: internal error: ", tensors.size(), " tensors for one row range");
+  return tensors.front();
+}
+
+// Names of the tensors a filter selects, in read order, from the headers alone.
+std::vector<std::string> selected(std::vector<std::string> files, std::optional<std::vector<std::string>> tensor_filter,
+                                  std::string tensor_name_match_mode) {
+  auto paths = to_rust(files);
+  const auto chosen = selection(tensor_filter, tensor_name_match_mode);
+  return from_rust(call_rust([&] { return rs::selected_names(paths, chosen); }));
+}
+
+// A streaming load: `next()` returns the next group of tensors, in read order, as soon as
+// its bytes have arrived, while the reads of later groups go on in the background. Each
+// tensor keeps the buffer of its group alive; dropping the stream stops its reads.
+//
+// To the CPU, groups are read into host buffers within the memory budget. To a CUDA device,
+// each group gets an allocation of its own from torch's caching allocator (so torch's memory
+// statistics count it), and the copy of the next group, through the pinned staging ring,
+// runs while the caller works on the current one.
+class TensorStream : public torch::CustomClassHolder {
+ public:
+  TensorStream(::rust::Box<rs::TensorStream> stream, std::optional<at::ScalarType> dtype)
+      : dtype_(dtype), target_(c10::kCPU), host_(std::move(stream)) {}
+
+  TensorStream(::rust::Box<rs::DeviceTensorStream> stream, c10::Device target, std::optional<at::ScalarType> dtype)
+      : dtype_(dtype), target_(target), device_(std::move(stream)) {}
+
+  // The next group's names and tensors; None after the last.
+  std::optional<NamedTensors> next() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return host_ ? next_host() : next_device();
+  }
+
+  // How the last group was read: "direct", "buffered", "mmap" or "mmap-fallback" ("" before
+  // the first), and the index (-1 before the first) and path of its file.
+  std::string read_path() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return host_ ? std::string((*host_)->group_read_path()) : last_path_;
+  }
+
+  int64_t file_index() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (host_) return (*host_)->group_file();
+    return next_ == 0 ? -1 : call_rust([&] { return (*device_)->group_file(next_ - 1); });
+  }
+
+  std::string file_path() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (host_) return std::string((*host_)->group_path());
+    return next_ == 0 ? std::string() : std::string(call_rust([&] { return (*device_)->group_path(next_ - 1); }));
+  }
+
+  int64_t tensor_count() {
+    return static_cast<int64_t>(host_ ? (*host_)->tensor_count() : (*device_)->tensor_count());
+  }
+
+  int64_t byte_count() { return static_cast<int64_t>(host_ ? (*host_)->byte_count() : (*device_)->byte_count()); }
+
+ private:
+  std::optional<NamedTensors> next_host() {
+    auto& stream = *host_;
+    if (!call_rust([&] { return stream->next_group(); })) return std::nullopt;
+    check_torch_types(stream->group_tensors());
+    Wrapped wrapped;
+    wrapped.push(call_rust([&] { return stream->group_buffer(); }), is_mapping(view_str(stream->group_read_path())));
+    wrapped.add_tensors(stream->group_tensors());
+    return std::move(wrapped).finish(dtype_);
+  }
+
+  // A group's allocation and the event its copy is ordered after, kept until it has landed.
+  struct Submitted {
+    at::Tensor buffer;
+    std::unique_ptr<ReadyEvent> ready;
+  };
+
+  void submit(size_t k) {
+    auto& stream = *device_;
+    const auto len = static_cast<int64_t>(call_rust([&] { return stream->alloc_len(k); }));
+    Submitted s{at::empty({len}, at::TensorOptions(at::kByte).device(target_)), nullptr};
+    s.ready = std::make_unique<ReadyEvent>(target_);
+    const auto base = reinterpret_cast<uint64_t>(s.buffer.data_ptr());
+    call_rust([&] { return stream->submit(k, base, s.ready->handle()); });
+    submitted_.emplace(k, std::move(s));
+    in_flight_ += static_cast<uint64_t>(len);
+    ahead_ = k + 1;
+  }
+
+  std::optional<NamedTensors> next_device() {
+    const size_t count = (*device_)->group_count();
+    if (next_ >= count) return std::nullopt;
+    const size_t k = next_++;
+    try {
+      return group_on_device(k, count);
+    } catch (...) {
+      next_ = count;  // a stream stops at its first error, as the host one does
+      throw;
+    }
+  }
+
+  NamedTensors group_on_device(size_t k, size_t count) {
+    auto& stream = *device_;
+    if (k >= ahead_) submit(k);
+    // Later groups are copied while the caller works on this one: as many as the budget
+    // allows, at least the next.
+    const uint64_t budget = stream->budget();
+    while (ahead_ < count &&
+           (ahead_ == k + 1 || in_flight_ + call_rust([&] { return stream->alloc_len(ahead_); }) <= budget)) {
+      submit(ahead_);
+    }
+    const auto specs = call_rust([&] { return stream->group_specs(k); });
+    check_torch_types(specs);
+    const auto landed = call_rust([&] { return stream->wait(k); });
+    last_path_ = std::string(landed.path);
+    auto node = submitted_.extract(k);
+    at::Tensor buffer = std::move(node.mapped().buffer);
+    in_flight_ -= static_cast<uint64_t>(buffer.numel());
+    node.mapped().ready.reset();
+    BufferTensors group;
+    for (const auto& spec : specs) {
+      group.add(spec, wrap_device(spec, buffer, static_cast<int64_t>(landed.offset)));
+    }
+    buffer.reset();  // from here on, only the tensors keep the group's memory
+    NamedTensors out;
+    add_buffer(std::move(group), dtype_, true, out);
+    return out;
+  }
+
+  static std::string_view view_str(::rust::Str s) { return {s.data(), s.size()}; }
+
+  std::mutex mutex_;
+  std::optional<at::ScalarType> dtype_;
+  c10::Device target_;
+  size_t next_ = 0;
+  // Groups below `ahead_` have been submitted, in order; `in_flight_` bytes are allocated for
+  // those not handed out yet.
+  size_t ahead_ = 0;
+  uint64_t in_flight_ = 0;
+  std::string last_path_;
+  // Declared before the streams, so destroyed after them: the copier has stopped (its running
+  // copy done) before the memory it copies into is given back to torch.
+  std::unordered_map<size_t, Submitted> submitted_;
+  std::optional<::rust::Box<rs::TensorStream>> host_;
+  std::optional<::rust::Box<rs::DeviceTensorStream>> device_;
+};
+
+c10::intrusive_ptr<TensorStream> open_stream(std::vector<std::string> files, std::string device,
+                                             std::optional<at::ScalarType> dtype, std::optional<std::string> reader,
+                                             std::optional<std::vector<std::string>> tensor_filter,
+                                             std::string tensor_name_match_mode,
+                                             std::optional<std::string> max_memory) {
+  const auto target = target_device(device);
+  check_cast_target(dtype);
+  auto paths = to_rust(files);
+  const auto chosen = selection(tensor_filter, tensor_name_match_mode);
+  if (target.is_cpu()) {
+    auto stream =
+        call_rust([&] { return rs::open_stream(paths, reader.value_or(""), chosen, max_memory.value_or("")); });
+    return c10::make_intrusive<TensorStream>(std::move(stream), dtype);
+  }
+  check_cuda(target);
+  // Plain "cuda" is torch's current device.
+  const c10::Device on = target.has_index() ? target : cuda_hooks().getDevice();
+  auto stream = call_rust([&] {
+    return rs::open_device_stream(paths, reader.value_or(""), chosen, max_memory.value_or(""),
+                                  static_cast<size_t>(on.index()));
+  });
+  return c10::make_intrusive<TensorStream>(std::move(stream), on, dtype);
 }
 
 rs::HeaderSpec header(const std::string& file) {
@@ -388,12 +711,30 @@ std::optional<c10::Dict<std::string, std::string>> metadata(std::string file) {
 }  // namespace
 
 TORCH_LIBRARY(fastsafetensors, m) {
+  m.class_<TensorStream>("TensorStream")
+      .def("next", &TensorStream::next)
+      .def("read_path", &TensorStream::read_path)
+      .def("file_index", &TensorStream::file_index)
+      .def("file_path", &TensorStream::file_path)
+      .def("tensor_count", &TensorStream::tensor_count)
+      .def("byte_count", &TensorStream::byte_count);
   m.def(
-      "load(str[] files, str device=\"cpu\", ScalarType? dtype=None, str? reader=None, bool? nogds=None)"
-      " -> Dict(str, Tensor)");
+      "load(str[] files, str device=\"cpu\", ScalarType? dtype=None, str? reader=None, bool? nogds=None,"
+      " str[]? tensor_filter=None, str tensor_name_match_mode=\"glob\") -> Dict(str, Tensor)");
   m.def(
       "load_with_report(str[] files, str device=\"cpu\", ScalarType? dtype=None, str? reader=None,"
-      " bool? nogds=None) -> (Dict(str, Tensor), str[])");
+      " bool? nogds=None, str[]? tensor_filter=None, str tensor_name_match_mode=\"glob\")"
+      " -> (Dict(str, Tensor), str[])");
+  m.def(
+      "load_named(str[] files, str device=\"cpu\", ScalarType? dtype=None, str? reader=None, bool? nogds=None,"
+      " str[]? tensor_filter=None, str tensor_name_match_mode=\"glob\")"
+      " -> (str[] names, Tensor[] tensors, str[] read_paths)");
+  m.def("load_rows(str file, str name, int start, int stop, str? reader=None) -> Tensor");
+  m.def(
+      "open_stream(str[] files, str device=\"cpu\", ScalarType? dtype=None, str? reader=None,"
+      " str[]? tensor_filter=None, str tensor_name_match_mode=\"glob\", str? max_memory=None)"
+      " -> __torch__.torch.classes.fastsafetensors.TensorStream");
+  m.def("selected(str[] files, str[]? tensor_filter=None, str tensor_name_match_mode=\"glob\") -> str[]");
   m.def("keys(str file) -> str[]");
   m.def("check_device(str device) -> str");
   m.def("checkpoint(str path) -> (str[] files, str? index, str[] problems)");
@@ -406,6 +747,10 @@ TORCH_LIBRARY(fastsafetensors, m) {
 TORCH_LIBRARY_IMPL(fastsafetensors, CompositeExplicitAutograd, m) {
   m.impl("load", TORCH_FN(load));
   m.impl("load_with_report", TORCH_FN(load_with_report));
+  m.impl("load_named", TORCH_FN(load_named));
+  m.impl("load_rows", TORCH_FN(load_rows));
+  m.impl("open_stream", TORCH_FN(open_stream));
+  m.impl("selected", TORCH_FN(selected));
   m.impl("keys", TORCH_FN(keys));
   m.impl("check_device", TORCH_FN(check_device));
   m.impl("checkpoint", TORCH_FN(checkpoint));

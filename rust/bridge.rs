@@ -11,17 +11,21 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::checkpoint::{self, Checkpoint};
-use crate::cuda::driver::{self, RawEvent};
+use crate::cuda::driver::{self, Context, RawEvent};
+use crate::device::CudaDevice;
+use crate::device_stream::{Copier, DeviceStream};
 use crate::error::{Error, Result};
 use crate::gds::GdsMode;
-use crate::io::{self, HostBuffer, ReaderKind, SourceFile};
+use crate::io::{self, budget, HostBuffer, ReaderKind, SourceFile};
 use crate::loader::{self, DeviceOptions, DeviceTarget, LoadOptions, Loaded, Planned};
 use crate::plan::{self, Placement};
+use crate::select::{MatchMode, RowRange, Selection, TensorFilter};
+use crate::stream::{self, Group, StreamOptions};
 
 #[cxx::bridge(namespace = "fastsafetensors::rs")]
 mod ffi {
-    /// One tensor: `nbytes` at `offset` in the buffer of file `buffer`, with its safetensors
-    /// dtype name.
+    /// One tensor: `nbytes` at `offset` in buffer `buffer` (a file's, or for loaded tensors
+    /// one extent's), with its safetensors dtype name.
     struct TensorSpec {
         name: String,
         dtype: String,
@@ -47,6 +51,15 @@ mod ffi {
         problems: Vec<String>,
     }
 
+    /// Which tensors a load reads.
+    struct TensorSelection {
+        /// False: every tensor (`patterns` and `mode` are not looked at).
+        filtered: bool,
+        patterns: Vec<String>,
+        /// "exact", "glob" or "regex".
+        mode: String,
+    }
+
     struct MetadataEntry {
         key: String,
         value: String,
@@ -64,11 +77,16 @@ mod ffi {
         type PlannedFiles;
         /// The files' tensors in host memory.
         type LoadedFiles;
+        /// Tensors handed out in groups as their bytes arrive.
+        type TensorStream;
+        /// Groups of tensors copied to a CUDA device one after the other.
+        type DeviceTensorStream;
         /// A reference on one file's host buffer; the buffer is freed when the last drops.
         type BufferRef;
 
-        /// Opens `paths` and validates their headers (no data is read).
-        fn plan_files(paths: &Vec<String>) -> Result<Box<PlannedFiles>>;
+        /// Opens `paths`, validates their headers and keeps the tensors `selection` picks (no
+        /// data is read). Tensor buffers are files; offsets are file offsets.
+        fn plan_files(paths: &Vec<String>, selection: &TensorSelection) -> Result<Box<PlannedFiles>>;
         fn tensors(self: &PlannedFiles) -> &Vec<TensorSpec>;
         fn file_count(self: &PlannedFiles) -> usize;
         /// Bytes of device memory to allocate for file `index`.
@@ -89,16 +107,76 @@ mod ffi {
         /// Frees the pinned staging buffers kept for later CUDA loads; returns how many.
         fn release_staging_buffers() -> usize;
 
-        /// Reads planned files into host memory with `reader` ("auto", "direct", "mmap", or
-        /// "" for the default).
+        /// Reads the planned tensors into host memory with `reader` ("auto", "direct", "mmap",
+        /// or "" for the default): each file's selected byte ranges, as few buffers (extents).
         fn read_to_host(planned: Box<PlannedFiles>, reader: &str) -> Result<Box<LoadedFiles>>;
+        /// Loads rows `[start, stop)` of tensor `name` of `path` into host memory, reading
+        /// only their bytes.
+        fn load_rows(path: &str, name: &str, start: u64, stop: u64, reader: &str) -> Result<Box<LoadedFiles>>;
+        /// The tensors: buffers are those of `buffer()`, offsets are within them.
         fn tensors(self: &LoadedFiles) -> &Vec<TensorSpec>;
-        /// How each file was read: "direct", "buffered" or "mmap".
+        /// How each file was read: "direct", "buffered", "mmap", "mmap-fallback" (mapped: direct
+        /// reads would not fit in host memory) or "none" (nothing selected in it).
         fn read_paths(self: &LoadedFiles) -> Vec<String>;
         fn buffer_count(self: &LoadedFiles) -> usize;
         fn buffer(self: &LoadedFiles, index: usize) -> Box<BufferRef>;
+        /// Index of the file buffer `index` holds bytes of.
+        fn buffer_file(self: &LoadedFiles, index: usize) -> usize;
         /// Address of the first byte of the buffer.
         fn address(self: &BufferRef) -> usize;
+
+        /// Names of the tensors `selection` picks from `paths`, in read order (headers only).
+        fn selected_names(paths: &Vec<String>, selection: &TensorSelection) -> Result<Vec<String>>;
+        /// A streaming load of the selected tensors of `paths` into host memory, holding at
+        /// most `max_memory` ("" for `$FASTSAFETENSORS_MAX_MEMORY` or the default) of buffers.
+        fn open_stream(
+            paths: &Vec<String>,
+            reader: &str,
+            selection: &TensorSelection,
+            max_memory: &str,
+        ) -> Result<Box<TensorStream>>;
+        /// Waits for the next group of tensors; false after the last.
+        fn next_group(self: &mut TensorStream) -> Result<bool>;
+        /// The current group's tensors, all in buffer 0: `group_buffer()`.
+        fn group_tensors(self: &TensorStream) -> &Vec<TensorSpec>;
+        fn group_buffer(self: &TensorStream) -> Result<Box<BufferRef>>;
+        /// How the current group was read: "direct", "buffered", "mmap" or "mmap-fallback" (""
+        /// before the first).
+        fn group_read_path(self: &TensorStream) -> &str;
+        /// Index of the file of the current group among the files `paths` stand for (-1
+        /// before the first), and its path.
+        fn group_file(self: &TensorStream) -> i64;
+        fn group_path(self: &TensorStream) -> String;
+        /// Tensors and bytes of tensor data the stream hands out in all.
+        fn tensor_count(self: &TensorStream) -> usize;
+        fn byte_count(self: &TensorStream) -> u64;
+
+        /// A streaming load of the selected tensors of `paths` to CUDA device `ordinal`: the
+        /// caller allocates each group's memory (`alloc_len`), `submit`s its copy (which runs in
+        /// the background, through the pinned staging ring, ordered after the CUevent `ready`
+        /// recorded on torch's stream, 0 for none) and `wait`s for it.
+        fn open_device_stream(
+            paths: &Vec<String>,
+            reader: &str,
+            selection: &TensorSelection,
+            max_memory: &str,
+            ordinal: usize,
+        ) -> Result<Box<DeviceTensorStream>>;
+        fn group_count(self: &DeviceTensorStream) -> usize;
+        /// Device memory the groups submitted ahead may take together (`u64::MAX`: no limit).
+        fn budget(self: &DeviceTensorStream) -> u64;
+        /// Bytes to allocate for group `k`.
+        fn alloc_len(self: &DeviceTensorStream, k: usize) -> Result<usize>;
+        /// Group `k`'s tensors: offsets from where the group's first byte lands.
+        fn group_specs(self: &DeviceTensorStream, k: usize) -> Result<Vec<TensorSpec>>;
+        /// Index and path of the file group `k` is read from.
+        fn group_file(self: &DeviceTensorStream, k: usize) -> Result<i64>;
+        fn group_path(self: &DeviceTensorStream, k: usize) -> Result<String>;
+        fn submit(self: &DeviceTensorStream, k: usize, base: u64, ready: u64) -> Result<()>;
+        /// Waits for group `k`'s copy: how it was read and where in its allocation it landed.
+        fn wait(self: &DeviceTensorStream, k: usize) -> Result<FileCopy>;
+        fn tensor_count(self: &DeviceTensorStream) -> usize;
+        fn byte_count(self: &DeviceTensorStream) -> u64;
 
         /// Number of CUDA devices; an error naming the reason when there is no driver.
         fn cuda_device_count() -> Result<usize>;
@@ -112,7 +190,7 @@ mod ffi {
     }
 }
 
-use ffi::{CheckpointSpec, FileCopy, HeaderSpec, MetadataEntry, TensorSpec};
+use ffi::{CheckpointSpec, FileCopy, HeaderSpec, MetadataEntry, TensorSelection, TensorSpec};
 
 pub struct PlannedFiles {
     planned: Planned,
@@ -126,40 +204,67 @@ pub struct LoadedFiles {
 
 pub struct BufferRef(Arc<HostBuffer>);
 
-/// Runs `f`, turning a panic into [`Error::Panic`].
-fn guard<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
-    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|payload| {
-        let msg = payload
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| payload.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "unknown panic".to_owned());
-        Err(Error::Panic(msg))
-    })
+pub struct DeviceTensorStream(Copier);
+
+pub struct TensorStream {
+    stream: stream::TensorStream,
+    group: Option<Group>,
+    specs: Vec<TensorSpec>,
 }
 
-fn spec(t: &Placement) -> Result<TensorSpec> {
+/// Runs `f`, turning a panic into [`Error::Panic`].
+fn guard<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|payload| Err(Error::from_panic(payload)))
+}
+
+/// The spec of tensor `t`, which starts at `offset` in buffer `buffer`. Takes the name from
+/// `name` (moved, not copied, where the placement is not needed any more).
+fn spec_at(t: &Placement, name: String, buffer: usize, offset: u64) -> Result<TensorSpec> {
     let shape = t
         .shape
         .iter()
         .map(|&d| {
             i64::try_from(d)
-                .map_err(|_| Error::InvalidArgument(format!("tensor '{}': dimension {d} does not fit in i64", t.name)))
+                .map_err(|_| Error::InvalidArgument(format!("tensor '{name}': dimension {d} does not fit in i64")))
         })
         .collect::<Result<_>>()?;
     Ok(TensorSpec {
-        name: t.name.clone(),
+        name,
         dtype: t.dtype.name().to_owned(),
         shape,
-        buffer: t.file,
-        offset: t.offset as usize,
+        buffer,
+        offset: offset as usize,
         nbytes: t.nbytes as usize,
         aligned: t.aligned,
     })
 }
 
+/// Specs of tensors read as whole files: buffer `i` is file `i`, offsets are file offsets.
 fn specs(tensors: &[Placement]) -> Result<Vec<TensorSpec>> {
-    tensors.iter().map(spec).collect()
+    tensors.iter().map(|t| spec_at(t, t.name.clone(), t.file, t.offset)).collect()
+}
+
+/// Specs of loaded tensors: buffer `k` is extent `k`. The names move into the specs: only
+/// the buffers of `loaded` are used afterwards.
+fn loaded_specs(loaded: &mut Loaded) -> Result<Vec<TensorSpec>> {
+    let mut out = Vec::with_capacity(loaded.tensors.len());
+    for (k, e) in loaded.extents.iter().enumerate() {
+        for t in &mut loaded.tensors[e.tensors.clone()] {
+            let name = std::mem::take(&mut t.name);
+            out.push(spec_at(t, name, k, e.offset_of(t))?);
+        }
+    }
+    Ok(out)
+}
+
+impl TensorSelection {
+    fn to_selection(&self) -> Result<Selection> {
+        if !self.filtered {
+            return Ok(Selection::all());
+        }
+        let mode: MatchMode = self.mode.parse()?;
+        Ok(Selection::filtered(TensorFilter::new(mode, &self.patterns)?))
+    }
 }
 
 fn reader_kind(reader: &str) -> Result<ReaderKind> {
@@ -176,9 +281,9 @@ fn plan(paths: &[String]) -> Result<Planned> {
     Ok(planned)
 }
 
-fn plan_files(paths: &Vec<String>) -> Result<Box<PlannedFiles>> {
+fn plan_files(paths: &Vec<String>, selection: &TensorSelection) -> Result<Box<PlannedFiles>> {
     guard(|| {
-        let planned = plan(paths)?;
+        let planned = plan(paths)?.select(&selection.to_selection()?)?;
         let specs = specs(&planned.tensors)?;
         Ok(Box::new(PlannedFiles { planned, specs }))
     })
@@ -236,10 +341,172 @@ fn release_staging_buffers() -> usize {
 fn read_to_host(planned: Box<PlannedFiles>, reader: &str) -> Result<Box<LoadedFiles>> {
     guard(|| {
         let options = LoadOptions { reader: reader_kind(reader)?, ..LoadOptions::default() };
-        let PlannedFiles { planned, specs } = *planned;
-        let loaded = planned.read_to_host(&options)?;
+        let mut loaded = planned.planned.read_to_host(&options)?;
+        let specs = loaded_specs(&mut loaded)?;
         Ok(Box::new(LoadedFiles { loaded, specs }))
     })
+}
+
+fn load_rows(path: &str, name: &str, start: u64, stop: u64, reader: &str) -> Result<Box<LoadedFiles>> {
+    guard(|| {
+        let options = LoadOptions { reader: reader_kind(reader)?, ..LoadOptions::default() };
+        let exact = TensorFilter::new(MatchMode::Exact, &[name])?;
+        let selection = Selection { filter: Some(exact), rows: vec![RowRange { name: name.to_owned(), start, stop }] };
+        checkpoint::check_single_file(Path::new(path))?;
+        let mut loaded = plan(&[path.to_owned()])?.select(&selection)?.read_to_host(&options)?;
+        let specs = loaded_specs(&mut loaded)?;
+        Ok(Box::new(LoadedFiles { loaded, specs }))
+    })
+}
+
+fn selected_names(paths: &Vec<String>, selection: &TensorSelection) -> Result<Vec<String>> {
+    guard(|| Ok(plan(paths)?.select(&selection.to_selection()?)?.tensors.into_iter().map(|t| t.name).collect()))
+}
+
+fn open_stream(
+    paths: &Vec<String>,
+    reader: &str,
+    selection: &TensorSelection,
+    max_memory: &str,
+) -> Result<Box<TensorStream>> {
+    guard(|| {
+        let budget = budget::stream_budget(Some(max_memory).filter(|m| !m.is_empty()))?;
+        let options = StreamOptions { reader: reader_kind(reader)?, ..StreamOptions::with_budget(budget) };
+        let planned = plan(paths)?.select(&selection.to_selection()?)?;
+        let stream = stream::TensorStream::open(planned, options)?;
+        Ok(Box::new(TensorStream { stream, group: None, specs: Vec::new() }))
+    })
+}
+
+fn open_device_stream(
+    paths: &Vec<String>,
+    reader: &str,
+    selection: &TensorSelection,
+    max_memory: &str,
+    ordinal: usize,
+) -> Result<Box<DeviceTensorStream>> {
+    guard(|| {
+        let budget = budget::stream_budget(Some(max_memory).filter(|m| !m.is_empty()))?;
+        let options = StreamOptions { reader: reader_kind(reader)?, ..StreamOptions::with_budget(budget) };
+        let stream = DeviceStream::open(plan(paths)?.select(&selection.to_selection()?)?, &options)?;
+        let copier = Copier::start(stream, move |ready| {
+            // SAFETY: the extension keeps the event alive until it has waited for this copy.
+            let ready = (ready != 0).then(|| unsafe { RawEvent::from_raw(ready) });
+            Ok(Box::new(CudaDevice::new(Context::primary(ordinal)?, ready)?))
+        })?;
+        Ok(Box::new(DeviceTensorStream(copier)))
+    })
+}
+
+impl DeviceTensorStream {
+    fn stream(&self) -> &DeviceStream {
+        self.0.stream()
+    }
+
+    fn check(&self, k: usize) -> Result<()> {
+        let count = self.stream().group_count();
+        if k < count {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(format!("no group {k} (of {count})")))
+        }
+    }
+
+    fn group_count(&self) -> usize {
+        self.stream().group_count()
+    }
+
+    fn budget(&self) -> u64 {
+        self.stream().budget()
+    }
+
+    fn alloc_len(&self, k: usize) -> Result<usize> {
+        guard(|| self.check(k).map(|()| self.stream().alloc_len(k) as usize))
+    }
+
+    fn group_specs(&self, k: usize) -> Result<Vec<TensorSpec>> {
+        guard(|| {
+            self.check(k)?;
+            let stream = self.stream();
+            stream.tensors(k).iter().map(|t| spec_at(t, t.name.clone(), 0, stream.offset_of(k, t))).collect()
+        })
+    }
+
+    fn group_file(&self, k: usize) -> Result<i64> {
+        guard(|| self.check(k).map(|()| self.stream().file(k).0 as i64))
+    }
+
+    fn group_path(&self, k: usize) -> Result<String> {
+        guard(|| self.check(k).map(|()| self.stream().file(k).1.display().to_string()))
+    }
+
+    fn submit(&self, k: usize, base: u64, ready: u64) -> Result<()> {
+        guard(|| self.0.submit(k, base, ready))
+    }
+
+    fn wait(&self, k: usize) -> Result<FileCopy> {
+        guard(|| {
+            let c = self.0.wait(k)?;
+            Ok(FileCopy { path: c.path.name().to_owned(), offset: c.offset as usize })
+        })
+    }
+
+    fn tensor_count(&self) -> usize {
+        self.stream().tensor_count()
+    }
+
+    fn byte_count(&self) -> u64 {
+        self.stream().byte_count()
+    }
+}
+
+impl TensorStream {
+    fn next_group(&mut self) -> Result<bool> {
+        guard(|| {
+            self.group = None;
+            self.specs.clear();
+            let Some(mut group) = self.stream.next_group()? else { return Ok(false) };
+            let mut specs = Vec::with_capacity(group.tensors.len());
+            for t in &mut group.tensors {
+                let name = std::mem::take(&mut t.name);
+                specs.push(spec_at(t, name, 0, t.offset - group.start)?);
+            }
+            self.specs = specs;
+            self.group = Some(group);
+            Ok(true)
+        })
+    }
+
+    fn group_tensors(&self) -> &Vec<TensorSpec> {
+        &self.specs
+    }
+
+    fn group_buffer(&self) -> Result<Box<BufferRef>> {
+        guard(|| match &self.group {
+            Some(group) => Ok(Box::new(BufferRef(Arc::clone(&group.buffer)))),
+            None => Err(Error::InvalidArgument("the stream has no current group".into())),
+        })
+    }
+
+    fn group_read_path(&self) -> &str {
+        self.group.as_ref().map_or("", |g| g.read_path.name())
+    }
+
+    fn group_file(&self) -> i64 {
+        self.group.as_ref().map_or(-1, |g| g.file as i64)
+    }
+
+    fn group_path(&self) -> String {
+        self.group.as_ref().map_or_else(String::new, |g| self.stream.path(g.file).display().to_string())
+    }
+
+    fn tensor_count(&self) -> usize {
+        self.stream.tensor_count()
+    }
+
+    fn byte_count(&self) -> u64 {
+        self.stream.byte_count()
+    }
 }
 
 impl LoadedFiles {
@@ -257,6 +524,10 @@ impl LoadedFiles {
 
     fn buffer(&self, index: usize) -> Box<BufferRef> {
         Box::new(BufferRef(Arc::clone(&self.loaded.buffers[index])))
+    }
+
+    fn buffer_file(&self, index: usize) -> usize {
+        self.loaded.extents[index].file
     }
 }
 

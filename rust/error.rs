@@ -49,6 +49,9 @@ pub enum Error {
     /// Two files hold a tensor of the same name.
     #[error("tensor '{name}' is in both {} and {}", .first.display(), .second.display())]
     DuplicateTensor { name: String, first: PathBuf, second: PathBuf },
+    /// Names an exact `tensor_filter` asked for that are in none of the files.
+    #[error("{}", missing_message(.names, .files))]
+    MissingTensors { names: Vec<String>, files: Vec<PathBuf> },
     /// The CUDA driver is missing, has no such device, or failed a call.
     #[error("CUDA: {0}")]
     Cuda(String),
@@ -63,6 +66,22 @@ pub enum Error {
     Panic(String),
 }
 
+/// "tensor_filter names 2 tensors that are in none of the files (a, b): 'x', 'y'", with at
+/// most a few of the files and names spelled out.
+fn missing_message(names: &[String], files: &[PathBuf]) -> String {
+    const SHOWN: usize = 20;
+    let mut listed: Vec<String> = names.iter().take(SHOWN).map(|n| format!("'{n}'")).collect();
+    if names.len() > SHOWN {
+        listed.push(format!("and {} more", names.len() - SHOWN));
+    }
+    let mut where_ = files.iter().take(3).map(|f| f.display().to_string()).collect::<Vec<_>>().join(", ");
+    if files.len() > 3 {
+        where_.push_str(&format!(" and {} more", files.len() - 3));
+    }
+    let (count, noun) = (names.len(), if names.len() == 1 { "tensor" } else { "tensors" });
+    format!("tensor_filter names {count} {noun} that are in none of the files ({where_}): {}", listed.join(", "))
+}
+
 fn more_problems(more: usize, path: &std::path::Path) -> String {
     match more {
         0 => String::new(),
@@ -71,6 +90,16 @@ fn more_problems(more: usize, path: &std::path::Path) -> String {
 }
 
 impl Error {
+    /// The error for a caught panic, with its message.
+    pub(crate) fn from_panic(payload: Box<dyn std::any::Any + Send>) -> Error {
+        let msg = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".to_owned());
+        Error::Panic(msg)
+    }
+
     pub(crate) fn io(path: impl Into<PathBuf>, op: &'static str, source: std::io::Error) -> Error {
         Error::Io { path: path.into(), op, source }
     }

@@ -10,6 +10,7 @@
 //! # Ok::<(), fastsafetensors::Error>(())
 //! ```
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -21,8 +22,10 @@ use crate::device::{CudaDevice, Device};
 use crate::error::{Error, Result};
 use crate::format::Header;
 use crate::gds::{self, GdsFile, GdsMode, GdsOptions, GdsOutcome};
+use crate::io::direct::{self, BlockReader};
 use crate::io::{self, budget, HostBuffer, HostRead, ReadPath, ReaderKind, SourceFile};
-use crate::plan::{self, Placement, IO_ALIGN};
+use crate::plan::{self, Extent, ExtentPolicy, Placement, IO_ALIGN};
+use crate::select::Selection;
 use crate::staged::{self, StagedFile, StagingOptions};
 
 #[derive(Debug, Clone)]
@@ -30,17 +33,20 @@ pub struct LoadOptions {
     pub reader: ReaderKind,
     /// Bytes per read request.
     pub block: u64,
+    /// Largest gap between selected tensors that is read rather than skipped.
+    pub max_gap: u64,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { reader: ReaderKind::Auto, block: plan::DEFAULT_BLOCK }
+        LoadOptions { reader: ReaderKind::Auto, block: plan::DEFAULT_BLOCK, max_gap: plan::DEFAULT_MAX_GAP }
     }
 }
 
 /// Files whose headers are validated and whose tensors are placed; nothing read yet.
 pub struct Planned {
     pub sources: Vec<SourceFile>,
+    /// The tensors to load, in file then offset order.
     pub tensors: Vec<Placement>,
 }
 
@@ -58,20 +64,39 @@ pub fn read_header(path: &Path) -> Result<Header> {
     SourceFile::open(path)?.header()
 }
 
-/// Every tensor of a set of files, in host memory. Buffers are reference-counted so that
-/// each tensor handed out can keep its own file's buffer alive.
+/// The selected tensors of a set of files, in host memory: one reference-counted buffer per
+/// extent read, so that each tensor handed out can keep its own extent's buffer alive.
 pub struct Loaded {
+    /// One per extent.
     pub buffers: Vec<Arc<HostBuffer>>,
+    pub extents: Vec<Extent>,
     pub tensors: Vec<Placement>,
+    paths: Vec<ReadPath>,
 }
 
 impl Loaded {
-    pub fn bytes(&self, t: &Placement) -> &[u8] {
-        &self.buffers[t.file].as_slice()[t.offset as usize..(t.offset + t.nbytes) as usize]
+    /// A buffer holding tensor `t`'s bytes, and their offset there. (Two extents can share
+    /// the page where one ends and the next begins; either holds the file's bytes.)
+    pub fn location(&self, t: &Placement) -> (usize, u64) {
+        // Extents are in file then offset order and every tensor lies inside one.
+        let after = self.extents.partition_point(|e| (e.file, e.start) <= (t.file, t.offset));
+        let k = (0..after)
+            .rev()
+            .find(|&k| {
+                self.extents[k].file == t.file && t.offset + t.nbytes <= self.extents[k].start + self.extents[k].len
+            })
+            .expect("every tensor lies in an extent");
+        (k, self.extents[k].offset_of(t))
     }
 
+    pub fn bytes(&self, t: &Placement) -> &[u8] {
+        let (k, offset) = self.location(t);
+        &self.buffers[k].as_slice()[offset as usize..(offset + t.nbytes) as usize]
+    }
+
+    /// How each file was read.
     pub fn read_paths(&self) -> Vec<ReadPath> {
-        self.buffers.iter().map(|b| b.read_path()).collect()
+        self.paths.clone()
     }
 }
 
@@ -85,23 +110,84 @@ pub struct DeviceOptions {
 }
 
 impl Planned {
-    /// Reads all files into host memory once it is known that the memory they need is
-    /// there: mappings at once, direct reads in parallel on the I/O pool (which is not woken
-    /// at all for a warm load, so its threads take no CPU from the caller's first touches).
+    /// Keeps only the tensors `selection` asks for, cut to their row ranges. An exact filter
+    /// naming tensors that are in none of the files is an error listing them.
+    pub fn select(mut self, selection: &Selection) -> Result<Planned> {
+        if let Some(filter) = &selection.filter {
+            let missing = filter.missing(self.tensors.iter().map(|t| t.name.as_str()));
+            if !missing.is_empty() {
+                let files = self.sources.iter().map(|s| s.path.clone()).collect();
+                return Err(Error::MissingTensors { names: missing, files });
+            }
+            self.tensors.retain(|t| filter.matches(&t.name));
+        }
+        if !selection.rows.is_empty() {
+            let index: HashMap<&str, usize> =
+                self.tensors.iter().enumerate().map(|(i, t)| (t.name.as_str(), i)).collect();
+            let mut cut = Vec::with_capacity(selection.rows.len());
+            for r in &selection.rows {
+                let Some(&i) = index.get(r.name.as_str()) else {
+                    let files = self.sources.iter().map(|s| s.path.clone()).collect();
+                    return Err(Error::MissingTensors { names: vec![r.name.clone()], files });
+                };
+                let t = &self.tensors[i];
+                let rows = t
+                    .rows(r.start, r.stop)
+                    .map_err(|why| Error::InvalidArgument(format!("{}: {why}", self.sources[t.file].path.display())))?;
+                cut.push((i, rows));
+            }
+            for (i, rows) in cut {
+                self.tensors[i] = rows;
+            }
+        }
+        Ok(self)
+    }
+
+    /// File lengths, in file order.
+    pub fn file_lens(&self) -> Vec<u64> {
+        self.sources.iter().map(|s| s.len).collect()
+    }
+
+    /// Reads the selected tensors into host memory once it is known that the memory they
+    /// need is there: mappings at once, direct reads in parallel on the I/O pool (which is
+    /// not woken at all for a warm load, so its threads take no CPU from the caller's first
+    /// touches). Each file's selected tensors are read as few extents: the whole file when
+    /// everything is selected, else the selected ranges merged across small gaps.
     pub fn read_to_host(self, options: &LoadOptions) -> Result<Loaded> {
-        let choices = self.sources.iter().map(|s| s.choose(options.reader)).collect::<Result<Vec<_>>>()?;
-        let owned = (0..self.sources.len())
-            .filter(|&i| matches!(choices[i], HostRead::Direct))
-            .map(|i| self.device_len(i))
-            .sum();
-        budget::check(owned)?;
-        let read = |(src, how): (&SourceFile, HostRead)| src.read(how, options.block).map(Arc::new);
-        let buffers = if owned == 0 {
-            self.sources.iter().zip(choices).map(read).collect::<Result<Vec<_>>>()
+        let policy = ExtentPolicy { max_gap: options.max_gap, ..ExtentPolicy::default() };
+        let extents = plan::plan_extents(&self.tensors, &self.file_lens(), &policy);
+        let how = choose_reads(&self.sources, &extents, options.reader, true)?;
+        let readers = self
+            .sources
+            .iter()
+            .zip(&how)
+            .map(|(src, &h)| (h == HostRead::Direct).then(|| BlockReader::open(src, true)).transpose())
+            .collect::<Result<Vec<_>>>()?;
+        let read = |e: &Extent| -> Result<Arc<HostBuffer>> {
+            let buffer = match (&readers[e.file], how[e.file]) {
+                (Some(reader), _) => direct::read_extent(reader, e, options.block)?,
+                (None, h) => {
+                    let path = if h == HostRead::MapOverLimit { ReadPath::MmapFallback } else { ReadPath::Mmap };
+                    self.sources[e.file].map_extent(e, path)?
+                }
+            };
+            Ok(Arc::new(buffer))
+        };
+        let buffers = if readers.iter().all(Option::is_none) {
+            extents.iter().map(read).collect::<Result<Vec<_>>>()
         } else {
-            io::io_pool().install(|| self.sources.par_iter().zip(choices).map(read).collect::<Result<Vec<_>>>())
+            io::io_pool().install(|| extents.par_iter().map(read).collect::<Result<Vec<_>>>())
         }?;
-        Ok(Loaded { buffers, tensors: self.tensors })
+        let mut paths = vec![ReadPath::NotRead; self.sources.len()];
+        for (e, b) in extents.iter().zip(&buffers) {
+            paths[e.file] = b.read_path();
+        }
+        for (src, &path) in self.sources.iter().zip(&paths) {
+            if path != ReadPath::NotRead {
+                src.check_unchanged()?;
+            }
+        }
+        Ok(Loaded { buffers, extents, tensors: self.tensors, paths })
     }
 
     /// Bytes of memory file `i` needs: the file rounded up to whole aligned reads.
@@ -184,7 +270,7 @@ impl Planned {
                     ReaderKind::Mmap => false,
                     ReaderKind::Auto => !src.is_resident()?,
                 };
-                Ok(StagedFile { src, dst, direct })
+                Ok(StagedFile::whole(src, dst, direct))
             })
             .collect::<Result<Vec<_>>>()?;
         let mut staged_paths = staged::copy_files(device, &staged_files, &options.staging)?.into_iter();
@@ -243,6 +329,51 @@ pub struct DeviceCopy {
 /// Frees the pinned staging buffers kept for later CUDA loads; returns how many there were.
 pub fn release_staging_buffers() -> usize {
     crate::device::release_cuda_staging()
+}
+
+/// How each file is brought into host memory to read `extents` of it: a file with nothing to
+/// read is not looked at. When the caller keeps everything it reads (`keeps_all`), direct
+/// reads that would not fit in host memory are made mappings ([`map_what_does_not_fit`]).
+pub(crate) fn choose_reads<S: std::borrow::Borrow<SourceFile>>(
+    sources: &[S],
+    extents: &[Extent],
+    reader: ReaderKind,
+    keeps_all: bool,
+) -> Result<Vec<HostRead>> {
+    let mut wanted = vec![0u64; sources.len()];
+    for e in extents {
+        wanted[e.file] += e.len;
+    }
+    let mut how = Vec::with_capacity(sources.len());
+    for (src, &bytes) in sources.iter().zip(&wanted) {
+        how.push(if bytes == 0 { HostRead::Map } else { src.borrow().choose(reader)? });
+    }
+    if keeps_all {
+        map_what_does_not_fit(&mut how, &wanted, reader)?;
+    }
+    Ok(how)
+}
+
+/// Makes the direct reads of a load fit the host-memory limit. With the `auto` reader, files
+/// are mapped instead, from the last, until the rest fit: a mapping is page cache the kernel
+/// can reclaim, so a load larger than memory still succeeds, as it does with safetensors.
+/// An explicit `direct` reader is not overridden: it fails with a clear error instead.
+fn map_what_does_not_fit(how: &mut [HostRead], wanted: &[u64], reader: ReaderKind) -> Result<()> {
+    let mut owned: u64 = (0..how.len()).filter(|&i| how[i] == HostRead::Direct).map(|i| wanted[i]).sum();
+    if reader != ReaderKind::Auto {
+        return budget::check(owned);
+    }
+    let Some((limit, _)) = budget::host_limit()? else { return Ok(()) };
+    for i in (0..how.len()).rev() {
+        if owned <= limit {
+            break;
+        }
+        if how[i] == HostRead::Direct {
+            how[i] = HostRead::MapOverLimit;
+            owned -= wanted[i];
+        }
+    }
+    Ok(())
 }
 
 /// Says once per process why GPUDirect Storage is not used.

@@ -24,12 +24,24 @@ use crate::io::direct::BlockReader;
 use crate::io::{io_pool, ReadPath, SourceFile};
 use crate::plan::{self, IO_ALIGN};
 
-/// One file and where its byte 0 goes in device memory (`align_up(len, 4096)` bytes there).
+/// An aligned range of a file (the whole file, or one extent of it) and where its first byte
+/// goes in device memory (`len` bytes there).
 pub struct StagedFile<'a> {
     pub src: &'a SourceFile,
     pub dst: u64,
     /// Read with O_DIRECT (cold file) rather than through the page cache (warm file).
     pub direct: bool,
+    /// File offset of the range: a multiple of 4096.
+    pub start: u64,
+    /// Bytes of the range: a multiple of 4096.
+    pub len: u64,
+}
+
+impl<'a> StagedFile<'a> {
+    /// All of `src`, its byte 0 at `dst` (`align_up(len, 4096)` bytes there).
+    pub fn whole(src: &'a SourceFile, dst: u64, direct: bool) -> StagedFile<'a> {
+        StagedFile { src, dst, direct, start: 0, len: plan::align_up(src.len, IO_ALIGN) }
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -55,7 +67,9 @@ pub fn copy_files<D: Device>(device: &D, files: &[StagedFile], options: &Staging
     let jobs: Vec<_> = files
         .iter()
         .enumerate()
-        .flat_map(|(i, f)| plan::read_blocks(f.src.len, IO_ALIGN, block).into_iter().map(move |b| (i, b)))
+        .flat_map(|(i, f)| {
+            plan::extent_blocks(f.start, f.len, f.src.len, IO_ALIGN, block).into_iter().map(move |b| (i, b))
+        })
         .collect();
     if jobs.is_empty() {
         return Ok(readers.iter().map(BlockReader::path).collect());
@@ -67,7 +81,7 @@ pub fn copy_files<D: Device>(device: &D, files: &[StagedFile], options: &Staging
             let mut slot = ring.take()?;
             device.wait(slot.staging())?;
             readers[i].read(&b, device.bytes(slot.staging()))?;
-            device.copy_async(slot.staging(), b.expected as usize, files[i].dst + b.offset)
+            device.copy_async(slot.staging(), b.expected as usize, files[i].dst + (b.offset - files[i].start))
         })
     });
     let drained = ring.drain(copied.is_err());

@@ -37,7 +37,7 @@ fn every_reader_returns_the_files_bytes() {
     for (reader, block) in
         [(ReaderKind::Direct, 4096), (ReaderKind::Direct, 1 << 20), (ReaderKind::Mmap, 4096), (ReaderKind::Auto, 8192)]
     {
-        let loaded = load(std::slice::from_ref(&path), &LoadOptions { reader, block }).unwrap();
+        let loaded = load(std::slice::from_ref(&path), &LoadOptions { reader, block, ..Default::default() }).unwrap();
         assert_eq!(loaded.tensors.len(), TENSORS.len());
         for t in &loaded.tensors {
             assert_eq!(loaded.bytes(t), expected_bytes(&bytes, &path, &t.name), "{reader:?} {}", t.name);
@@ -79,7 +79,7 @@ fn many_files_load_together() {
     let a = safetensors(&[("a.weight", "F16", &[1000, 33])], 8);
     let b = safetensors(&[("b.weight", "I32", &[77]), ("b.bias", "U8", &[9])], 8);
     let paths = [dir.write("1.safetensors", &a), dir.write("2.safetensors", &b)];
-    let loaded = load(&paths, &LoadOptions { reader: ReaderKind::Direct, block: 4096 }).unwrap();
+    let loaded = load(&paths, &LoadOptions { reader: ReaderKind::Direct, block: 4096, ..Default::default() }).unwrap();
     let names: Vec<_> = loaded.tensors.iter().map(|t| (t.name.as_str(), t.file)).collect();
     assert_eq!(names, [("a.weight", 0), ("b.weight", 1), ("b.bias", 1)]);
     for t in &loaded.tensors {

@@ -96,13 +96,17 @@ int main(int argc, char** argv) {
 
   try {
     const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fastsafetensors::load", "");
-    // load(str[] files, str device="cpu", ScalarType? dtype=None, str? reader=None, bool? nogds=None)
+    // load(str[] files, str device="cpu", ScalarType? dtype=None, str? reader=None, bool? nogds=None,
+    //      str[]? tensor_filter=None, str tensor_name_match_mode="glob")
+    // A boxed call passes every argument, defaults included.
     std::vector<c10::IValue> stack;
     stack.emplace_back(c10::List<std::string>(files));
     stack.emplace_back(device);
     stack.emplace_back(dtype ? c10::IValue(*dtype) : c10::IValue());
     stack.emplace_back();  // reader: the default policy (or $FASTSAFETENSORS_READER)
     stack.emplace_back();  // nogds: the default
+    stack.emplace_back();  // tensor_filter: every tensor
+    stack.emplace_back(std::string("glob"));  // tensor_name_match_mode
     op.callBoxed(&stack);
     const auto tensors = stack.at(0).to<c10::Dict<std::string, at::Tensor>>();
 

@@ -228,7 +228,7 @@ pub fn check_load(file: &[u8]) {
         (Err(expected), Err(e)) => panic!("parse rejects the file ({expected}) but the loader fails otherwise: {e}"),
     };
     for reader in [ReaderKind::Mmap, ReaderKind::Direct, ReaderKind::Auto] {
-        let options = LoadOptions { reader, block: IO_ALIGN };
+        let options = LoadOptions { reader, block: IO_ALIGN, ..LoadOptions::default() };
         let loaded = plan_files(&[tmp.path().to_owned()])
             .and_then(|p| p.read_to_host(&options))
             .unwrap_or_else(|e| panic!("{reader:?}: a valid file failed to load: {e}"));

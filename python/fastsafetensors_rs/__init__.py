@@ -13,7 +13,7 @@ import importlib
 from . import _fake, _logging
 from ._logging import enable_logging
 from ._ops import LIBRARY_PATH, ops
-from .api import load, load_file, release_staging_buffers, safe_open
+from .api import load, load_file, release_staging_buffers, safe_open, stream
 
 __version__ = "0.1.0"
 
@@ -38,7 +38,7 @@ _SUBMODULES = {"cli", "compat", "integrations", "loader", "parallel_loader", "pr
                "vllm_plugin", "weights"}
 
 __all__ = ["LIBRARY_PATH", "enable_logging", "load", "load_file", "ops", "release_staging_buffers", "safe_open",
-           "__version__", *_LAZY]
+           "stream", "__version__", *_LAZY]
 
 # What importing the integrations did eagerly, kept eager: FASTSAFETENSORS_LOG is applied and
 # the fake kernel (torch.compile / FakeTensorMode) is registered with the ops.

@@ -57,6 +57,8 @@ def fake_load(
     dtype: Optional[torch.dtype] = None,
     reader: Optional[str] = None,
     nogds: Optional[bool] = None,
+    tensor_filter: Optional[List[str]] = None,
+    tensor_name_match_mode: str = "glob",
 ) -> Dict[str, torch.Tensor]:
     """What `fastsafetensors::load` returns, as empty tensors derived from the headers."""
     target = _target_device(device)
@@ -64,11 +66,15 @@ def fake_load(
         dtype = cast_dtype(dtype)
     except ValueError as e:  # raised as the real op raises it
         raise RuntimeError(f"fastsafetensors: {e}") from None
+    # The loader's own selection, from the headers alone.
+    selected = None if tensor_filter is None else set(ops.selected(files, tensor_filter, tensor_name_match_mode))
     out: Dict[str, torch.Tensor] = {}
     origin: Dict[str, str] = {}
     for path in _files_of(files):
         names, dtypes, shapes, _ = ops.describe(path)  # header only; validates it
         for name, st_dtype, shape in zip(names, dtypes, shapes):
+            if selected is not None and name not in selected:
+                continue
             if name in out:
                 raise RuntimeError(f"tensor '{name}' is in both {origin[name]} and {path}")
             if st_dtype not in DTYPES:

@@ -1,11 +1,30 @@
-"""The safetensors-style API: `load_file`, `load` and `safe_open`, over the torch ops."""
+"""The safetensors-style API: `load_file`, `load`, `safe_open` and `stream`, over the torch ops.
+
+Selecting tensors (`tensor_filter`, every function here): a name, a list of names, or a
+callable `name -> bool`, matched by `tensor_name_match_mode`:
+
+- "glob" (default): shell patterns matched against the whole name, as `fnmatch.fnmatchcase`
+  does: `*` any run of characters (dots included), `?` one character, `[abc]`, `[!abc]`;
+- "regex": regular expressions found anywhere in the name, as `re.search` does (anchor with
+  `^...$` to match the whole name). The syntax is Rust's `regex` crate, which matches in time
+  linear in the name: no lookaround or backreferences;
+- "exact": the names themselves. A name that is in none of the files is an error listing
+  every such name.
+
+Only the selected tensors' bytes are read (ranges a few hundred KiB apart are read together).
+A glob or regex filter that selects nothing gives nothing: an empty dict, an empty iteration
+(and a warning in the log), with no data read. A callable is called once per name in the
+headers and selects exactly the names it returns true for.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
 import threading
-from typing import Dict, Iterable, List, Optional, Union
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -18,8 +37,15 @@ logger = logging.getLogger("fastsafetensors_rs")
 
 PathLike = Union[str, os.PathLike]
 Device = Union[str, int, torch.device]
+TensorFilter = Union[None, str, Iterable[str], Callable[[str], bool]]
 
-__all__ = ["load", "load_file", "release_staging_buffers", "safe_open"]
+__all__ = ["load", "load_file", "release_staging_buffers", "safe_open", "stream"]
+
+MATCH_MODES = ("glob", "regex", "exact")
+ENV_MAX_MEMORY = "FASTSAFETENSORS_MAX_MEMORY"
+
+
+# ------------------------------------------------------------------ arguments
 
 
 def _device_name(device: Device) -> str:
@@ -39,10 +65,93 @@ def _device_name(device: Device) -> str:
 
 def check_settings() -> None:
     """Raises ValueError naming a malformed `FASTSAFETENSORS_LOG` or `_PROGRESS`. Every load
-    runs it, as the core checks its own settings (`_READER`, `_THREADS`, `_MAX_HOST_MEMORY`)
-    at every load: a malformed setting is an error, never silently a default."""
+    runs it, as the core checks its own settings (`_READER`, `_THREADS`, `_MAX_HOST_MEMORY`,
+    `_MAX_MEMORY`) at every load: a malformed setting is an error, never silently a default."""
     level_from_env()
     progress_from_env()
+
+
+def _paths(files: Union[PathLike, Iterable[PathLike]]) -> List[str]:
+    if isinstance(files, (str, os.PathLike)):
+        files = [files]
+    return [os.fspath(f) for f in files]
+
+
+def _filter_args(tensor_filter: TensorFilter, mode: str, paths: Sequence[str]) -> Tuple[Optional[List[str]], str]:
+    """The op's `tensor_filter` and `tensor_name_match_mode` for the user's arguments. A callable
+    is applied to every name in the headers and becomes the exact list of the names it picks."""
+    if mode not in MATCH_MODES:
+        raise ValueError(f"tensor_name_match_mode={mode!r}: expected one of {', '.join(map(repr, MATCH_MODES))}")
+    if tensor_filter is None:
+        return None, mode
+    if callable(tensor_filter):
+        return [name for name in ops.selected(list(paths)) if tensor_filter(name)], "exact"
+    if isinstance(tensor_filter, (str, os.PathLike)):
+        return [os.fspath(tensor_filter)], mode
+    patterns = list(tensor_filter)
+    for p in patterns:
+        if not isinstance(p, str):
+            raise TypeError(f"tensor_filter: expected names or patterns (str), got {type(p).__name__} {p!r}")
+    return patterns, mode
+
+
+def _max_memory(max_memory: Union[None, int, str]) -> Optional[str]:
+    """The op's `max_memory`: bytes, a size string ("256M", "2GiB", "unlimited"), or None for
+    `$FASTSAFETENSORS_MAX_MEMORY` (else the default). The loader validates the strings."""
+    if max_memory is None or isinstance(max_memory, str):
+        return max_memory
+    if isinstance(max_memory, bool) or not isinstance(max_memory, int):
+        raise TypeError(f"max_memory: expected bytes (int) or a size such as '256M', got {max_memory!r}")
+    if max_memory < 0:
+        raise ValueError(f"max_memory={max_memory}: must not be negative")
+    return str(max_memory)
+
+
+_gc_lock = threading.Lock()
+_gc_holders = 0
+_gc_was_enabled = False
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pauses Python's garbage collector while a load creates its tensors: making 100k tensor
+    objects would otherwise trigger hundreds of collections, each walking every object of the
+    process. Collections resume afterwards (nested and concurrent loads pause it once)."""
+    global _gc_holders, _gc_was_enabled
+    with _gc_lock:
+        if _gc_holders == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_holders += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_holders -= 1
+            if _gc_holders == 0 and _gc_was_enabled:
+                gc.enable()
+
+
+def _report(paths: Sequence[str], read_paths: Sequence[str]) -> None:
+    if not logger.isEnabledFor(logging.DEBUG) and "mmap-fallback" not in read_paths:
+        return
+    if len(paths) != len(read_paths):  # directories or indexes: the files they stand for
+        paths = [f for p in paths for f in ops.checkpoint(p)[0]]
+    fallback = [p for p, how in zip(paths, read_paths) if how == "mmap-fallback"]
+    if fallback:
+        logger.info("%d file(s) mapped instead of read: direct reads of every file would not fit in host memory "
+                    "(FASTSAFETENSORS_MAX_HOST_MEMORY, else MemAvailable): %s", len(fallback), ", ".join(fallback))
+    if logger.isEnabledFor(logging.DEBUG):
+        for path, how in zip(paths, read_paths):
+            logger.debug("%s: read with %s", path, how)
+
+
+def _nothing_selected(patterns: Optional[List[str]], mode: str, count: int, paths: Sequence[str]) -> None:
+    if patterns is not None and count == 0 and mode != "exact":
+        logger.warning("tensor_filter %r (%s) selects no tensor of %d file(s)", patterns, mode, len(paths))
+
+
+# ------------------------------------------------------------------ batch loads
 
 
 def load(
@@ -51,8 +160,11 @@ def load(
     dtype: Union[torch.dtype, str, None] = None,
     reader: Optional[str] = None,
     nogds: Optional[bool] = None,
+    *,
+    tensor_filter: TensorFilter = None,
+    tensor_name_match_mode: str = "glob",
 ) -> Dict[str, torch.Tensor]:
-    """Loads every tensor of one or more files into one dict.
+    """Loads every tensor (or the selected ones) of one or more files into one dict.
 
     Args:
         files: a path or several; tensor names must be unique across them. A path is a
@@ -71,19 +183,24 @@ def load(
         nogds: CUDA only. None (default) uses GPUDirect Storage where the nvidia-fs driver
             is loaded and falls back to the staged path otherwise; True never uses it; False
             requires it and fails if a file cannot be read with it.
+        tensor_filter, tensor_name_match_mode: which tensors to load (see the module
+            documentation); only their bytes are read. On CUDA a filtered load reads them
+            into host memory and copies them.
 
-    The tensors own their memory: no handle needs closing, and a file's buffer is freed when
-    the last tensor into it is gone.
+    The tensors own their memory: no handle needs closing, and a buffer is freed when the last
+    tensor into it is gone. With the "auto" reader, files whose direct reads would not fit in
+    host memory are mapped instead (logged at INFO), so a load larger than memory succeeds.
     """
     check_settings()
-    if isinstance(files, (str, os.PathLike)):
-        files = [files]
-    paths: List[str] = [os.fspath(f) for f in files]
-    tensors, read_paths = ops.load_with_report(paths, _device_name(device), cast_dtype(dtype), reader, nogds)
-    if logger.isEnabledFor(logging.DEBUG):
-        for path, how in zip(paths, read_paths):
-            logger.debug("%s: read with %s", path, how)
-    return tensors
+    paths = _paths(files)
+    patterns, mode = _filter_args(tensor_filter, tensor_name_match_mode, paths)
+    target, cast = _device_name(device), cast_dtype(dtype)
+    with _gc_paused():
+        names, tensors, read_paths = ops.load_named(paths, target, cast, reader, nogds, patterns, mode)
+        out = dict(zip(names, tensors))
+    _nothing_selected(patterns, mode, len(out), paths)
+    _report(paths, read_paths)
+    return out
 
 
 def load_file(
@@ -92,10 +209,14 @@ def load_file(
     dtype: Union[torch.dtype, str, None] = None,
     reader: Optional[str] = None,
     nogds: Optional[bool] = None,
+    *,
+    tensor_filter: TensorFilter = None,
+    tensor_name_match_mode: str = "glob",
 ) -> Dict[str, torch.Tensor]:
     """Loads one file (or a checkpoint directory or index), like
     `safetensors.torch.load_file`. See `load` for the arguments."""
-    return load([filename], device=device, dtype=dtype, reader=reader, nogds=nogds)
+    return load([filename], device=device, dtype=dtype, reader=reader, nogds=nogds, tensor_filter=tensor_filter,
+                tensor_name_match_mode=tensor_name_match_mode)
 
 
 def release_staging_buffers() -> int:
@@ -106,37 +227,172 @@ def release_staging_buffers() -> int:
     return ops.release_staging_buffers()
 
 
-class safe_open:
-    """Reads a file's header on open; loads its data in bulk on first access.
+# ------------------------------------------------------------------ streaming
 
-    Mirrors `safetensors.safe_open`: `keys()`, `metadata()`, `get_tensor()`, `get_slice()`,
-    usable as a context manager. Tensors stay valid after `close()`. It opens one
-    `.safetensors` file: a directory or an index is refused (load those with `load_file`).
+
+def stream(
+    files: Union[PathLike, Iterable[PathLike]],
+    device: Device = "cpu",
+    dtype: Union[torch.dtype, str, None] = None,
+    reader: Optional[str] = None,
+    *,
+    tensor_filter: TensorFilter = None,
+    tensor_name_match_mode: str = "glob",
+    max_memory: Union[None, int, str] = None,
+) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yields `(name, tensor)` for the selected tensors of `files`, in the order their bytes are
+    read (file by file, in file order), each as soon as the group of tensors it was read with
+    has arrived, while the reads of later groups go on in the background.
+
+    Args:
+        max_memory: the most memory the stream's buffers may hold at once: bytes or a size
+            ("256M", "2G", "unlimited"). None: `$FASTSAFETENSORS_MAX_MEMORY`, else 1 GiB (at
+            most half the available memory). Counts buffers being read, read and waiting, and
+            handed out but still referenced by a tensor. A tensor larger than the budget still
+            loads, alone.
+        files, device, dtype, reader, tensor_filter, tensor_name_match_mode: as in `load`.
+
+    Memory a yielded tensor keeps alive: the buffer of the group it was read with, at most
+    `max(group size, its own size)`, where a group is a quarter of `max_memory`, at most 32 MiB
+    (for a mapped file in the page cache, the mapping of that range). Copy it into your own
+    storage (a parameter's `copy_`, or `clone()`) and drop it to give the memory back; a
+    consumer that keeps every tensor still gets them all, but read one group at a time.
+
+    Headers are read and the selection checked when this is called (errors are raised here);
+    reading starts at once. Leaving the loop early (`break`, an exception) stops the reads once
+    the iterator is closed (`close()`, a `with` block) or dropped.
+    """
+    check_settings()
+    paths = _paths(files)
+    patterns, mode = _filter_args(tensor_filter, tensor_name_match_mode, paths)
+    target, cast = _device_name(device), cast_dtype(dtype)
+    handle = ops.open_stream(paths, target, cast, reader, patterns, mode, _max_memory(max_memory))
+    _nothing_selected(patterns, mode, handle.tensor_count(), paths)
+    return TensorIterator(handle)
+
+
+class TensorIterator:
+    """The iterator `stream` returns: `(name, tensor)` pairs, and how many tensors and bytes
+    there are in all (`tensor_count`, `byte_count`). `close()` (or dropping it) stops the reads."""
+
+    def __init__(self, handle):
+        self._handle = handle
+        self._reported: set = set()
+        self._names: List[str] = []
+        self._tensors: List[Optional[torch.Tensor]] = []
+        self._next = 0
+        self.tensor_count: int = handle.tensor_count()
+        self.byte_count: int = handle.byte_count()
+
+    def __iter__(self) -> "TensorIterator":
+        return self
+
+    def __next__(self) -> Tuple[str, torch.Tensor]:
+        while self._next == len(self._names):
+            group = None
+            if self._handle is not None:
+                with _gc_paused():
+                    group = self._handle.next()
+            if group is None:
+                self.close()
+                raise StopIteration
+            self._names, self._tensors = group
+            self._next = 0
+            self._report_file()
+        i = self._next
+        self._next += 1
+        # Hand each tensor over and forget it: only the consumer keeps its buffer alive.
+        tensor, self._tensors[i] = self._tensors[i], None
+        return self._names[i], tensor
+
+    def _report_file(self) -> None:
+        """Logs how each file is read, when its first group arrives."""
+        index = self._handle.file_index()
+        if index in self._reported:
+            return
+        self._reported.add(index)
+        path, how = self._handle.file_path(), self._handle.read_path()
+        if how == "mmap-fallback":
+            logger.info("%s: mapped instead of read: direct reads would not fit in host memory", path)
+        logger.debug("%s: read with %s", path, how)
+
+    def close(self) -> None:
+        """Stops the reads still going on and drops what was read but not handed out."""
+        self._handle = None
+        self._names, self._tensors, self._next = [], [], 0
+
+    def __enter__(self) -> "TensorIterator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class safe_open:
+    """Opens one or several `.safetensors` files: reads their headers now, tensor data on demand.
+
+    Mirrors `safetensors.safe_open` for one file (`keys()`, `metadata()`, `get_tensor()`,
+    `get_slice()`, usable as a context manager) and adds:
+
+    - `tensors()`: every selected tensor, streamed in read order while later reads go on;
+    - several files at once (`safe_open([a, b, c])`), as one set of names;
+    - `tensor_filter` / `tensor_name_match_mode`: `keys()` and everything else see only the
+      selected tensors, and only their bytes are read;
+    - `max_memory`: the budget of `tensors()` (see `stream`). `get_tensor` keeps what it reads
+      (until the handle is closed), so it reads without a budget; files whose direct reads
+      would not fit in host memory are mapped instead, as `load` does.
+
+    `get_tensor(name)` streams the file holding `name` from its start on first access and
+    returns as soon as `name` has arrived (reading the rest of the file goes on in the
+    background); later calls find their tensors read or arriving. `get_slice(name)[a:b]` on a
+    tensor not read yet reads only rows `[a, b)` from the file. Tensors stay valid after
+    `close()`; the handle keeps what `get_tensor` read until it is closed. With several files,
+    `metadata()` is the first file's. Each path is one `.safetensors` file: a directory or an
+    index is refused (load those with `load_file`).
     """
 
     def __init__(
         self,
-        filename: PathLike,
+        filename: Union[PathLike, Sequence[PathLike]],
         framework: str = "pt",
         device: Device = "cpu",
+        tensor_filter: TensorFilter = None,
+        tensor_name_match_mode: str = "glob",
+        max_memory: Union[None, int, str] = None,
         reader: Optional[str] = None,
         nogds: Optional[bool] = None,
     ):
         if framework not in ("pt", "torch", "pytorch"):
             raise ValueError(f"framework {framework!r} is not supported: only 'pt' (PyTorch)")
-        self._path = os.fspath(filename)
+        self._paths = _paths(filename)
+        self._path = self._paths[0] if len(self._paths) == 1 else ", ".join(self._paths)
         self._device = _device_name(device)
         self._reader = reader
         self._nogds = nogds
-        names, dtypes, shapes, metadata = ops.describe(self._path)
-        self._offset_keys: List[str] = list(names)
-        self._dtypes = dict(zip(names, dtypes))
-        self._shapes = dict(zip(names, shapes))
-        self._metadata = None if metadata is None else dict(metadata)
-        self._tensors: Optional[Dict[str, torch.Tensor]] = None
+        self._max_memory = _max_memory(max_memory)
+        self._patterns, self._mode = _filter_args(tensor_filter, tensor_name_match_mode, self._paths)
+        self._dtypes: Dict[str, str] = {}
+        self._shapes: Dict[str, List[int]] = {}
+        self._file_of: Dict[str, int] = {}
+        self._metadata = None
+        for i, path in enumerate(self._paths):
+            names, dtypes, shapes, metadata = ops.describe(path)
+            if i == 0:
+                self._metadata = None if metadata is None else dict(metadata)
+            self._dtypes.update(zip(names, dtypes))
+            self._shapes.update(zip(names, shapes))
+            self._file_of.update((n, i) for n in names)
+        if self._patterns is not None or len(self._paths) > 1:
+            # The loader's own view of the selection (and of names repeated across files).
+            self._offset_keys: List[str] = list(ops.selected(self._paths, self._patterns, self._mode))
+            _nothing_selected(self._patterns, self._mode, len(self._offset_keys), self._paths)
+        else:
+            self._offset_keys = list(names) if self._paths else []
+        self._selected = frozenset(self._offset_keys)
+        self._files: Dict[int, _FileReader] = {}
         self._closed = False
-        # transformers reads tensors from a thread pool: the first access loads once.
-        self._loading = threading.Lock()
+        # transformers reads tensors from a thread pool: a file is read once however many ask.
+        self._lock = threading.Lock()
 
     def __enter__(self) -> "safe_open":
         return self
@@ -145,42 +401,118 @@ class safe_open:
         self.close()
 
     def close(self) -> None:
-        """Drops this handle's references; tensors already returned stay valid."""
-        self._closed = True
-        self._tensors = None
+        """Drops this handle's references and stops its reads; tensors already returned stay valid."""
+        with self._lock:
+            self._closed = True
+            self._files.clear()
 
     def keys(self) -> List[str]:
         return sorted(self._offset_keys)
 
     def offset_keys(self) -> List[str]:
-        """Names in the order of their data in the file."""
+        """Names in the order of their data in the files (the order `tensors()` yields them)."""
         return list(self._offset_keys)
 
     def metadata(self) -> Optional[Dict[str, str]]:
         return None if self._metadata is None else dict(self._metadata)
 
     def get_tensor(self, name: str) -> torch.Tensor:
-        """The tensor `name`. All of the file is loaded on the first call, in one bulk read;
-        repeated calls return the same tensor (clone it before writing if that matters)."""
+        """The tensor `name`; repeated calls return the same tensor (clone it before writing
+        if that matters)."""
         self._check(name)
-        with self._loading:
-            if self._closed:
-                raise RuntimeError(f"{self._path}: the safe_open handle is closed")
-            if self._tensors is None:
-                self._tensors = load([self._path], device=self._device, reader=self._reader, nogds=self._nogds)
-            return self._tensors[name]
+        return self._reader_for(name).get(name)
 
     def get_slice(self, name: str) -> "TensorSlice":
         self._check(name)
         return TensorSlice(self, name)
 
+    def tensors(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """Every selected tensor as `(name, tensor)`, in read order, each as soon as its bytes
+        have arrived while later reads go on (see `stream`, which this is, for the memory a
+        tensor keeps alive). Independent of `get_tensor`: each call reads the files again."""
+        self._check_open()
+        return stream(self._paths, device=self._device, reader=self._reader, tensor_filter=self._patterns,
+                      tensor_name_match_mode=self._mode, max_memory=self._max_memory)
+
     def _check(self, name: str) -> None:
-        if name not in self._dtypes:
-            raise KeyError(f"{self._path}: no tensor named '{name}'")
+        if name not in self._selected:
+            why = "not selected by tensor_filter" if name in self._dtypes else "no tensor named"
+            raise KeyError(f"{self._path}: {why} '{name}'")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self._path}: the safe_open handle is closed")
+
+    def _reader_for(self, name: str) -> "_FileReader":
+        index = self._file_of[name]
+        with self._lock:
+            self._check_open()
+            reader = self._files.get(index)
+            if reader is None:
+                reader = self._files[index] = _FileReader(self, self._paths[index])
+            return reader
+
+    def _arrived(self, name: str) -> Optional[torch.Tensor]:
+        with self._lock:
+            reader = self._files.get(self._file_of[name])
+        return None if reader is None else reader.arrived.get(name)
+
+
+class _FileReader:
+    """The tensors of one file of a `safe_open` handle, kept once read. On the CPU the file is
+    streamed from its start on the first request, which then waits only for the group holding
+    its tensor; for CUDA it is loaded in one bulk load (GPUDirect Storage or staged copies)."""
+
+    def __init__(self, handle: safe_open, path: str):
+        self._handle = handle
+        self._path = path
+        self._stream = None
+        self.arrived: Dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def get(self, name: str) -> torch.Tensor:
+        with self._lock:
+            if name in self.arrived:
+                return self.arrived[name]
+            h = self._handle
+            if h._device != "cpu":
+                self.arrived = load([self._path], device=h._device, reader=h._reader, nogds=h._nogds,
+                                    tensor_filter=h._patterns, tensor_name_match_mode=h._mode)
+            elif self._stream is None:
+                # No budget: the handle keeps everything it reads (files that would not fit in
+                # host memory are mapped instead, as in `load`).
+                self._stream = _open_stream([self._path], h._device, h._reader, h._patterns, h._mode, "unlimited")
+            while name not in self.arrived:
+                with _gc_paused():
+                    group = self._stream.next() if self._stream is not None else None
+                if group is None:
+                    raise RuntimeError(f"{self._path}: internal error: '{name}' was not read")
+                self.arrived.update(zip(*group))
+            return self.arrived[name]
+
+
+def _open_stream(paths: List[str], device: str, reader: Optional[str], patterns: Optional[List[str]], mode: str,
+                 max_memory: Optional[str]):
+    """The op's stream; one place, so that tests can count the streams opened."""
+    return ops.open_stream(paths, device, None, reader, patterns, mode, max_memory)
+
+
+def _rows(index, shape: Sequence[int]) -> Optional[Tuple[int, int, tuple]]:
+    """For an index whose first element is a step-1 slice of a proper part of the rows:
+    (start, stop, the index of the remaining dimensions). None for any other index."""
+    first, rest = (index[0], index[1:]) if isinstance(index, tuple) and index else (index, ())
+    if not isinstance(first, slice) or first.step not in (None, 1) or not shape:
+        return None
+    start, stop, _ = first.indices(shape[0])
+    stop = max(start, stop)
+    if stop - start == shape[0]:
+        return None
+    return start, stop, rest
 
 
 class TensorSlice:
-    """A tensor's shape and dtype without loading it; indexing loads and slices."""
+    """A tensor's shape and dtype without loading it; indexing loads and slices. Indexing a
+    range of rows of a tensor not read yet (`[a:b]`, `[a:b, ...]`) reads only those rows."""
 
     def __init__(self, handle: safe_open, name: str):
         self._handle = handle
@@ -194,7 +526,16 @@ class TensorSlice:
         return self._handle._dtypes[self._name]
 
     def __getitem__(self, index) -> torch.Tensor:
-        return self._handle.get_tensor(self._name)[index].contiguous()
+        h = self._handle
+        rows = None if self.get_dtype() == "F4" and len(self.get_shape()) < 2 else _rows(index, self.get_shape())
+        if rows is not None and h._arrived(self._name) is None:
+            h._check_open()
+            start, stop, rest = rows
+            part = ops.load_rows(h._paths[h._file_of[self._name]], self._name, start, stop, h._reader)
+            if h._device != "cpu":
+                part = part.to(h._device)
+            return part[(slice(None),) + rest].contiguous() if rest else part
+        return h.get_tensor(self._name)[index].contiguous()
 
     def __len__(self) -> int:
         shape = self.get_shape()

@@ -18,9 +18,13 @@ offload). `load_sharded_checkpoint` (4.x: `transformers.modeling_utils`, 5.x:
 replaces those names, in those modules only, with fastsafetensors equivalents:
 
 - opening a file reads only its header (names, dtypes, shapes, metadata);
-- the first tensor or slice access loads the whole file in one bulk read, on the device
-  transformers asks for (4.x: the `device_map` device when the map has a single entry; 5.x:
-  the CPU, then transformers moves each tensor itself); later accesses are views into it;
+- on the CPU, the first tensor access starts streaming the file: the access returns as soon
+  as the group of tensors holding it has been read, while the rest of the file is read in
+  the background; transformers fills parameters (5.x: from its thread pool, while other
+  files are being read) instead of waiting for whole files. Files whose direct reads would
+  not fit in host memory are mapped instead;
+- for a CUDA device (4.x: the `device_map` device when the map has a single entry) the first
+  access loads the whole file in one bulk read to that device; later accesses are views;
 - a handle is safe to use from several threads (5.x materialises tensors from a thread pool):
   the file is still read exactly once.
 
@@ -67,7 +71,7 @@ _options: Dict[str, Any] = {}
 class PatchedSafeOpen(api.safe_open):
     """`fastsafetensors_rs.safe_open` as transformers uses it: accepts safetensors' `backend=`
     keyword and ignores it (the loader picks its reader per file) and adds `get_tensors()`.
-    Like every `safe_open`, it loads the file once even when several threads ask at once."""
+    Like every `safe_open`, it reads the file once even when several threads ask at once."""
 
     def __init__(self, filename: PathLike, framework: str = "pt", device: Device = "cpu",
                  backend: Optional[str] = None, reader: Optional[str] = None, nogds: Optional[bool] = None):
@@ -76,7 +80,7 @@ class PatchedSafeOpen(api.safe_open):
                      os.fspath(filename), device)
 
     def get_tensors(self) -> Dict[str, torch.Tensor]:
-        """Every tensor of the file, in offset order (one bulk read)."""
+        """Every tensor of the file, in offset order."""
         return {name: self.get_tensor(name) for name in self.offset_keys()}
 
 

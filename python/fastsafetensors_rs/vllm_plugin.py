@@ -13,8 +13,10 @@ a model loader for `--load-format fastsafetensors_rs` with
 The loader is vLLM's `DefaultModelLoader` (file discovery and downloads, index filtering,
 subfolders, allow-pattern overrides, the shard filters of `--mm-encoder-only`, of
 `is_unused_checkpoint_weight` and of expert parallelism, the strict weight check) with the
-weight iterator replaced by `fastsafetensors_rs.weights_iterator`, which reads each shard in
-one bulk read straight to the target device. Options, all optional, in
+weight iterator replaced by `fastsafetensors_rs.weights_iterator`, which streams the shards
+to the target device: tensors are handed to the model as their bytes arrive while the next
+ones are read, within `max_memory`. With expert parallelism, only this rank's experts are
+read (the others are left out before any I/O). Options, all optional, in
 `model_loader_extra_config` (see `OPTIONS`).
 
 With `FASTSAFETENSORS_INSTALL_AS_FASTSAFETENSORS=1` in the environment, `register()` also
@@ -54,7 +56,8 @@ OPTIONS: Dict[str, str] = {
     "reader": "the reader, one of 'auto' (default), 'direct', 'mmap'",
     "nogds": "CUDA: true never uses GPUDirect Storage, false requires it; default: where available",
     "device": "where tensors are loaded (default: vLLM's load device, else the worker's GPU, else cpu)",
-    "prefetch": "files read ahead in a background thread while the model takes the current one (default 0)",
+    "prefetch": "CUDA: load file by file in bulk, this many files ahead in a background thread (default 0: stream)",
+    "max_memory": "the memory the stream's buffers may hold, e.g. '1G' (default: $FASTSAFETENSORS_MAX_MEMORY, else 1 GiB)",
 }
 
 _registered: Optional[type] = None
@@ -79,6 +82,9 @@ def parse_options(extra: Dict[str, Any]) -> Dict[str, Any]:
     prefetch = opts.get("prefetch", 0)
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise bad("prefetch", "an integer >= 0")
+    max_memory = opts.get("max_memory")
+    if max_memory is not None and (isinstance(max_memory, bool) or not isinstance(max_memory, (int, str))):
+        raise bad("max_memory", "a size such as '1G' or a number of bytes")
     return opts
 
 
@@ -103,6 +109,10 @@ def _show_progress(requested: bool) -> bool:
 
 def _is_other_ranks_expert(should_skip_weight: Callable[[str, Set[int]], bool], local: Set[int], name: str) -> bool:
     return should_skip_weight(name, local)
+
+
+def _is_kept(skip: Callable[[str], bool], name: str) -> bool:
+    return not skip(name)
 
 
 def _without_other_experts(
@@ -187,6 +197,8 @@ def make_loader_class(default_loader: type, weight_utils: Any) -> type:
                 logger.debug("expert parallelism: %d file(s) of other ranks' experts not read", dropped)
 
             opts = self.fastsafetensors_options
+            # Other ranks' experts are not read at all: the selection is made from the headers.
+            keep = None if skip is None else functools.partial(_is_kept, skip)
             weights: Iterable[Tuple[str, torch.Tensor]] = weights_iterator(
                 sorted(files),
                 _show_progress(bool(getattr(self.load_config, "use_tqdm_on_load", False))),
@@ -194,9 +206,9 @@ def make_loader_class(default_loader: type, weight_utils: Any) -> type:
                 reader=opts.get("reader"),
                 nogds=opts.get("nogds"),
                 prefetch=opts.get("prefetch", 0),
+                tensor_filter=keep,
+                max_memory=opts.get("max_memory"),
             )
-            if skip is not None:
-                weights = ((name, t) for name, t in weights if not skip(name))
             if self.counter_before_loading_weights == 0.0:
                 self.counter_before_loading_weights = time.perf_counter()
             prefix = source.prefix

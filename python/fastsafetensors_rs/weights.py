@@ -4,11 +4,16 @@ Their model classes take `Iterable[tuple[str, torch.Tensor]]` in `load_weights()
 build it from the checkpoint files (vLLM's `safetensors_weights_iterator(hf_weights_files,
 use_tqdm_on_load)`, SGLang's equivalent). `weights_iterator` keeps that contract:
 
-- it yields `(name, tensor)` with the names exactly as stored in the checkpoint;
+- it yields `(name, tensor)` with the names exactly as stored in the checkpoint, file by file
+  in the order given, within a file in the order of the data;
 - every tensor owns its memory: it stays valid after the next `next()`, after the iterator is
   exhausted or closed, and no handle needs closing;
-- files are read whole, one bulk read each, in the order given; a file's buffer is freed
-  when the last tensor into it is gone (the iterator drops its own references as it yields).
+- the files are streamed: each tensor is handed out as soon as the group of tensors it is
+  read with has arrived (on CUDA: has been copied to the device), while later reads go on,
+  within `max_memory`; the iterator drops its own references as it yields, so a consumer
+  that copies each tensor into its parameter and drops it holds at most `max_memory` of
+  buffers (and one group);
+- every header is checked before anything is read: a bad file fails the first `next()`.
 
     model.load_weights(fastsafetensors_rs.weights_iterator(files, device="cuda:0"))
 """
@@ -19,13 +24,13 @@ import logging
 import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Deque, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Deque, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 
 from . import api
 from .api import Device, PathLike
-from .progress import progress, progress_enabled
+from .progress import ByteProgress, progress, progress_enabled
 
 logger = logging.getLogger("fastsafetensors_rs")
 
@@ -52,30 +57,76 @@ def weights_iterator(
     reader: Optional[str] = None,
     nogds: Optional[bool] = None,
     prefetch: int = 0,
+    tensor_filter: api.TensorFilter = None,
+    tensor_name_match_mode: str = "glob",
+    max_memory: Union[None, int, str] = None,
 ) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Yields `(name, tensor)` for every tensor of `files`, file by file.
+    """Yields `(name, tensor)` for every tensor (or the selected ones) of `files`, file by file.
 
     Args:
         files: the `.safetensors` files, read in this order (e.g. the shards of one model).
-        use_tqdm_on_load: a per-file progress bar on stderr (shown for loads longer than a
+        use_tqdm_on_load: a progress bar (bytes) on stderr (shown for loads longer than a
             second). None (default) means off unless `$FASTSAFETENSORS_PROGRESS=1`; the
             position matches vLLM's iterators, which take it second.
-        device, dtype, reader, nogds: as in `fastsafetensors_rs.load`; each file is loaded
-            straight to `device` (e.g. "cuda:0": GPUDirect Storage or staged copies).
-        prefetch: how many files to read ahead in a background thread while the consumer
-            works on the current one (0: none). Peak memory grows by that many files.
+        device, dtype, reader: as in `fastsafetensors_rs.load`.
+        tensor_filter, tensor_name_match_mode: which tensors to yield (see
+            `fastsafetensors_rs.api`); only their bytes are read.
+        max_memory: the stream's memory budget (see `fastsafetensors_rs.stream`): host
+            memory for the CPU; for CUDA, the device memory of the groups copied ahead.
+        nogds, prefetch: CUDA only. By default the files are streamed to the device in groups
+            through the pinned staging ring, within `max_memory`. With `nogds=False`
+            (GPUDirect Storage required) or `prefetch` > 0 they are instead loaded file by
+            file, each in one bulk load (GPUDirect Storage where available, else staged),
+            `prefetch` files ahead in a background thread, at the cost of that many files of
+            device memory.
 
-    A file that cannot be read raises `RuntimeError` naming it when the iteration reaches it.
+    A file that cannot be read raises `RuntimeError` naming it.
     """
     paths: List[str] = [os.fspath(f) for f in files]
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     show = progress_enabled(use_tqdm_on_load, default=False)
-    logger.debug("weights_iterator: %d file(s) to %s, %s, prefetch %d", len(paths), device,
-                 _reader_reason(reader), prefetch)
+    target = api._device_name(device)
+    logger.debug("weights_iterator: %d file(s) to %s, %s", len(paths), target, _reader_reason(reader))
+    if target == "cpu" or (nogds is not False and prefetch == 0):
+        yield from _streamed(paths, show, device=target, dtype=dtype, reader=reader, tensor_filter=tensor_filter,
+                             tensor_name_match_mode=tensor_name_match_mode, max_memory=max_memory)
+        return
+    yield from _file_by_file(paths, show, prefetch, device=target, dtype=dtype, reader=reader, nogds=nogds,
+                             tensor_filter=tensor_filter, tensor_name_match_mode=tensor_name_match_mode)
 
+
+def _streamed(paths: List[str], show: bool, **options) -> Iterator[Tuple[str, torch.Tensor]]:
+    tensors = api.stream(paths, **options)
+    bar = ByteProgress(show, desc="Loading safetensors (fastsafetensors)", total=tensors.byte_count)
+    try:
+        # `yield from` an iterator object, not a loop here: a generator frame would keep the
+        # last tensor alive while it waits.
+        yield from _Counted(tensors, bar)
+    finally:
+        bar.close()
+        tensors.close()
+
+
+class _Counted:
+    """Passes on `(name, tensor)` pairs, advancing a byte bar, holding none of them."""
+
+    def __init__(self, tensors: Iterator[Tuple[str, torch.Tensor]], bar: ByteProgress):
+        self._tensors = tensors
+        self._bar = bar
+
+    def __iter__(self) -> "_Counted":
+        return self
+
+    def __next__(self) -> Tuple[str, torch.Tensor]:
+        item = next(self._tensors)
+        self._bar.update(item[1].nbytes)
+        return item
+
+
+def _file_by_file(paths: List[str], show: bool, prefetch: int, **options) -> Iterator[Tuple[str, torch.Tensor]]:
     def load_one(path: str) -> Dict[str, torch.Tensor]:
-        return api.load([path], device=device, dtype=dtype, reader=reader, nogds=nogds)
+        return api.load([path], **options)
 
     def drain(tensors: Dict[str, torch.Tensor]) -> Iterator[Tuple[str, torch.Tensor]]:
         # Hand each tensor over and forget it, so a file's memory can go as soon as the

@@ -9,10 +9,20 @@ use crate::error::{Error, Result};
 /// Pages are mapped lazily, on first touch, as every mmap-based loader does: populating
 /// them up front (MADV_POPULATE_READ) measured slower than the faults it saves.
 pub fn map(src: &SourceFile) -> Result<MmapMut> {
+    map_range(src, 0, src.len)
+}
+
+/// Maps `len` bytes of the file from `offset` the same way. A range with no bytes gets a page
+/// of anonymous memory instead: an empty mapping does not exist.
+pub fn map_range(src: &SourceFile, offset: u64, len: u64) -> Result<MmapMut> {
+    if len == 0 {
+        return super::alloc(0, &src.path);
+    }
+    let len = usize::try_from(len).map_err(|_| Error::io(&src.path, "mmap", std::io::ErrorKind::OutOfMemory.into()))?;
     // SAFETY: the mapping is private, so our writes never reach the file. Another process
     // truncating the file while it is mapped would make accesses fault (SIGBUS); like every
     // mmap-based loader we rely on checkpoints not being truncated while they are loaded.
-    let map = unsafe { MmapOptions::new().len(src.len as usize).map_copy(&src.file) }
+    let map = unsafe { MmapOptions::new().offset(offset).len(len).map_copy(&src.file) }
         .map_err(|e| Error::io(&src.path, "mmap", e))?;
     Ok(map)
 }

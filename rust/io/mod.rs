@@ -1,12 +1,13 @@
 //! Reading files into host memory.
 //!
-//! Each file becomes one [`HostBuffer`] holding the whole file from offset 0, so a tensor's
-//! address is `buffer + file offset`. Two ways to fill it:
+//! The unit of reading is an [`Extent`]: an aligned byte range of one file (the whole file for
+//! a plain load) that becomes one [`HostBuffer`], so a tensor's address is
+//! `buffer + (file offset - extent start)`. Two ways to fill it:
 //!
 //! - [`direct`]: parallel `pread`s with `O_DIRECT` into page-aligned anonymous memory (the
 //!   cold-file path: no page-cache copy), falling back to buffered reads where the
 //!   filesystem refuses `O_DIRECT`;
-//! - [`mmap`]: a private copy-on-write mapping of the file (the warm-file path: zero-copy,
+//! - [`mmap`]: a private copy-on-write mapping of the range (the warm-file path: zero-copy,
 //!   tensors point straight at the page cache until written to).
 //!
 //! [`ReaderKind::Auto`] picks per file: mmap when the file's pages are already resident,
@@ -27,6 +28,7 @@ use memmap2::MmapMut;
 
 use crate::error::{Error, Result};
 use crate::format::{self, Header};
+use crate::plan::Extent;
 
 /// Environment variable that picks the reader when the caller does not.
 pub const READER_ENV: &str = "FASTSAFETENSORS_READER";
@@ -113,6 +115,7 @@ pub fn check_env() -> Result<()> {
     ReaderKind::resolve(None)?;
     io_threads()?;
     budget::limit_from_env()?;
+    budget::stream_limit_from_env()?;
     // Read when GPUDirect Storage is tried; a path must name a file (a bare library name is
     // left to the dynamic loader's search).
     let library = |v: &str| (!v.contains('/') || Path::new(v).is_file()).then_some(());
@@ -129,11 +132,16 @@ pub enum ReadPath {
     Buffered,
     /// A zero-copy mapping of the file.
     Mmap,
+    /// A zero-copy mapping chosen because direct reads of every file would not have fitted
+    /// the host-memory limit (see [`budget`]).
+    MmapFallback,
     /// GPUDirect Storage, straight into device memory.
     Gds,
     /// cuFile in compatibility mode: it emulates GPUDirect Storage with reads through host
     /// memory (the nvidia-fs driver is not loaded, or cuFile is told so).
     GdsCompat,
+    /// Nothing: no tensor of the file was selected.
+    NotRead,
 }
 
 impl ReadPath {
@@ -142,25 +150,47 @@ impl ReadPath {
             ReadPath::Direct => "direct",
             ReadPath::Buffered => "buffered",
             ReadPath::Mmap => "mmap",
+            ReadPath::MmapFallback => "mmap-fallback",
             ReadPath::Gds => "gds",
             ReadPath::GdsCompat => "gds-compat",
+            ReadPath::NotRead => "none",
         }
     }
 }
 
-/// A whole file in host memory: page-aligned, writable, released on drop.
+/// What becomes of a buffer's memory when the buffer is dropped (a stream keeps it for its
+/// next group, or gives back its share of the memory budget).
+pub(crate) type OnDrop = Box<dyn FnOnce(MmapMut) + Send + Sync>;
+
+/// An extent of a file in host memory: page-aligned and writable. Its memory is unmapped on
+/// drop, or handed to its `on_drop`.
 pub struct HostBuffer {
-    map: MmapMut,
+    map: Option<MmapMut>,
     path: ReadPath,
+    on_drop: Option<OnDrop>,
 }
 
 impl HostBuffer {
+    pub(crate) fn new(map: MmapMut, path: ReadPath) -> HostBuffer {
+        HostBuffer { map: Some(map), path, on_drop: None }
+    }
+
+    /// The same buffer, whose memory goes to `on_drop` when it is dropped.
+    pub(crate) fn on_drop(mut self, on_drop: OnDrop) -> HostBuffer {
+        self.on_drop = Some(on_drop);
+        self
+    }
+
+    fn map(&self) -> &MmapMut {
+        self.map.as_ref().expect("a live buffer has its memory")
+    }
+
     pub fn as_ptr(&self) -> *const u8 {
-        self.map.as_ptr()
+        self.map().as_ptr()
     }
 
     pub fn as_slice(&self) -> &[u8] {
-        &self.map
+        self.map()
     }
 
     pub fn read_path(&self) -> ReadPath {
@@ -168,11 +198,30 @@ impl HostBuffer {
     }
 }
 
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        if let (Some(on_drop), Some(map)) = (self.on_drop.take(), self.map.take()) {
+            on_drop(map);
+        }
+    }
+}
+
+/// `len` bytes of page-aligned anonymous memory (at least one page, so that an extent with no
+/// bytes still has an address).
+pub(crate) fn alloc(len: u64, path: &Path) -> Result<MmapMut> {
+    let len =
+        usize::try_from(len.max(1)).map_err(|_| Error::io(path, "allocate", std::io::ErrorKind::OutOfMemory.into()))?;
+    MmapMut::map_anon(len).map_err(|e| Error::io(path, "allocate", e))
+}
+
 /// How a file will be brought into host memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HostRead {
-    /// Zero-copy: this mapping of the file.
-    Map(MmapMut),
-    /// Direct reads into memory allocated for the file (`align_up(len, 4096)` bytes).
+    /// Zero-copy: a mapping of each extent.
+    Map,
+    /// A mapping, because direct reads would not fit the host-memory limit.
+    MapOverLimit,
+    /// Direct reads into memory allocated for each extent.
     Direct,
 }
 
@@ -248,23 +297,17 @@ impl SourceFile {
     /// Decides how to bring the file into host memory: the reader `kind` asks for, or for
     /// `Auto`, a mapping if the file is resident and direct reads otherwise.
     pub fn choose(&self, kind: ReaderKind) -> Result<HostRead> {
-        match kind {
-            ReaderKind::Mmap => Ok(HostRead::Map(mmap::map(self)?)),
-            ReaderKind::Direct => Ok(HostRead::Direct),
-            ReaderKind::Auto => {
-                Ok(if self.is_resident()? { HostRead::Map(mmap::map(self)?) } else { HostRead::Direct })
-            }
-        }
+        Ok(match kind {
+            ReaderKind::Mmap => HostRead::Map,
+            ReaderKind::Direct => HostRead::Direct,
+            ReaderKind::Auto if self.is_resident()? => HostRead::Map,
+            ReaderKind::Auto => HostRead::Direct,
+        })
     }
 
-    /// Carries out `how`. Fails if the file changed meanwhile.
-    pub fn read(&self, how: HostRead, block: u64) -> Result<HostBuffer> {
-        let buffer = match how {
-            HostRead::Map(map) => HostBuffer { map, path: ReadPath::Mmap },
-            HostRead::Direct => direct::read(self, block)?,
-        };
-        self.check_unchanged()?;
-        Ok(buffer)
+    /// Maps `extent` of the file (copy-on-write; nothing is read until touched).
+    pub fn map_extent(&self, extent: &Extent, path: ReadPath) -> Result<HostBuffer> {
+        Ok(HostBuffer::new(mmap::map_range(self, extent.start, extent.expected)?, path))
     }
 
     /// Whether (nearly) all of the file is in the page cache, so reading it through the

@@ -194,23 +194,28 @@ def moe(tmp_path_factory):
 
 def test_expert_parallel_filter(moe, monkeypatch):
     """Expert parallelism (local_expert_ids, as vLLM's load_weights computes them): other
-    ranks' expert weights are not yielded (scales are), and a shard holding only other
-    ranks' experts is not read at all."""
+    ranks' expert weights are not yielded (scales are), a shard holding only other ranks'
+    experts is not read at all, and in the others only this rank's tensors are selected
+    (from the headers, before any read)."""
     import fastsafetensors_rs.api
 
-    read = []
-    real_load = fastsafetensors_rs.api.load
+    read, selected = [], []
+    real_stream = fastsafetensors_rs.api.stream
 
-    def recording_load(files, **kwargs):
+    def recording_stream(files, **kwargs):
         read.extend(files)
-        return real_load(files, **kwargs)
+        selected.extend(torch.ops.fastsafetensors.selected(list(files)))
+        keep = kwargs["tensor_filter"]
+        selected[:] = [n for n in selected if keep(n)]
+        return real_stream(files, **kwargs)
 
-    monkeypatch.setattr(fastsafetensors_rs.api, "load", recording_load)
+    monkeypatch.setattr(fastsafetensors_rs.api, "stream", recording_stream)
     ours, vllms = ours_and_vllms(source(moe), local_expert_ids={0, 1})
     assert_bit_exact(ours, vllms)
     assert not [n for n in ours if ".experts.2." in n or (".experts.3." in n and n.endswith(".weight"))]
     assert "model.layers.0.mlp.experts.3.down_proj.weight_scale" in ours
     assert [Path(f).name for f in read] == ["model-00001-of-00002.safetensors"]
+    assert sorted(selected) == sorted(ours), "only this rank's tensors are read"
 
 
 def test_options_from_model_loader_extra_config(llama):

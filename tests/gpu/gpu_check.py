@@ -512,6 +512,44 @@ def memory_cast(tmp: str) -> None:
         f"held {held} bytes, tensors {expected} bytes")
 
 
+@guarded("streaming", "streaming to cuda")
+def streaming(tmp: str) -> None:
+    """stream(..., device="cuda"), a filter, a dtype, and the device memory a stream holds: for
+    a consumer that copies each tensor out and drops it, the groups copied ahead (within
+    max_memory) and the group it holds."""
+    path = os.path.join(tmp, "all.safetensors")
+    if not os.path.exists(path):
+        all_dtypes_file(path)
+    ref = st_load_file(path)
+    got = dict(fastsafetensors_rs.stream(path, device="cuda"))
+    row("streaming", got.keys() == ref.keys() and all(same(got[k], ref[k]) and got[k].is_cuda for k in ref),
+        "stream to cuda: all dtypes bit-exact")
+    picked = dict(fastsafetensors_rs.stream(path, device="cuda", tensor_filter=["t1", "finite"],
+                                            tensor_name_match_mode="exact", dtype=torch.float16))
+    cast_ok = (sorted(picked) == ["finite", "t1"] and picked["finite"].dtype == torch.float16
+               and torch.equal(picked["finite"].cpu(), ref["finite"].half()))
+    row("streaming", cast_ok, "stream to cuda: exact filter and dtype cast")
+    big = os.path.join(tmp, "stream-mem.safetensors")
+    save_file({f"w{i:02d}": torch.full((16 << 20,), i, dtype=torch.uint8) for i in range(32)}, big)  # 512 MiB
+    evict([big])
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    dest = torch.empty(16 << 20, dtype=torch.uint8, device="cuda")
+    ok = True
+    for name, t in fastsafetensors_rs.stream(big, device="cuda", max_memory="64M"):
+        dest.copy_(t)
+        ok = ok and int(dest[0]) == int(name[1:])
+        del t
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before - dest.nbytes
+    # The groups copied ahead stay within max_memory (one beyond it at most), plus the group held.
+    bound = (64 << 20) + 2 * (17 << 20)
+    row("streaming", ok and peak <= bound, "stream to cuda: device memory within max_memory",
+        f"peak {peak >> 20} MiB over the destination (bound {bound >> 20} MiB), max_memory=64M, 512 MiB file")
+
+
 @guarded("staging", "pinned staging pool")
 def staging(tmp: str) -> None:
     path = os.path.join(tmp, "small.safetensors")
@@ -727,6 +765,8 @@ def main() -> int:
         print("memory")
         memory_accounting(tmp)
         memory_cast(tmp)
+        print("streaming")
+        streaming(tmp)
         print("staging")
         staging(tmp)
         print("GDS")

@@ -18,6 +18,10 @@ CALLS = [
     "fastsafetensors_rs.safe_open(path, device='cuda').get_tensor('w')",
     "torch.ops.fastsafetensors.load([path], 'cuda', None, None, True)",
     "fastsafetensors_rs.load([], device='cuda:1')",
+    "fastsafetensors_rs.load_file(path, device='cuda', tensor_filter='w')",
+    "list(fastsafetensors_rs.stream(path, device='cuda'))",
+    "list(fastsafetensors_rs.safe_open([path], device='cuda:0').tensors())",
+    "list(fastsafetensors_rs.weights_iterator([path], device='cuda', tensor_filter='w'))",
 ]
 
 

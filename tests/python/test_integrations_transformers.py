@@ -68,16 +68,22 @@ def saved_models(tmp_path_factory):
 
 @pytest.fixture
 def load_calls(monkeypatch):
-    """Records every bulk load the loader makes (the files of each call)."""
+    """Records every read of files the loader starts (the files of each call): bulk loads,
+    and the streams a handle reads its tensors with on the CPU."""
     calls: list[list[str]] = []
-    real = fst_api.load
+    real_load, real_stream = fst_api.load, fst_api._open_stream
 
     def spy(files, *args, **kwargs):
         files = [files] if isinstance(files, (str, os.PathLike)) else list(files)
         calls.append([os.fspath(f) for f in files])
-        return real(files, *args, **kwargs)
+        return real_load(files, *args, **kwargs)
+
+    def stream_spy(paths, *args):
+        calls.append(list(paths))
+        return real_stream(paths, *args)
 
     monkeypatch.setattr(fst_api, "load", spy)
+    monkeypatch.setattr(fst_api, "_open_stream", stream_spy)
     return calls
 
 
@@ -131,7 +137,7 @@ def test_from_pretrained_is_bit_identical(saved_models, load_calls, arch, sharde
     with fastsafetensors_rs.patched_transformers():
         ours = cls.from_pretrained(str(directory))
     _assert_identical(stock, ours, arch)
-    # Every shard was read by the loader, each once, in one bulk read.
+    # Every shard was read by the loader, each once (one stream or one bulk read).
     loaded = sorted(f for call in load_calls for f in call)
     assert loaded == _shards(directory)
     assert all(len(call) == 1 for call in load_calls)
@@ -218,7 +224,7 @@ def test_a_corrupt_shard_is_reported_by_name(saved_models, tmp_path):
 # ------------------------------------------------------------------------ the handle
 
 
-def test_opening_reads_only_the_header_and_the_first_access_loads_in_bulk(saved_models, load_calls):
+def test_opening_reads_only_the_header_and_the_first_access_reads_the_file(saved_models, load_calls):
     directory, _ = saved_models[("llama", False)]
     path = str(directory / "model.safetensors")
     with fastsafetensors_rs.patched_transformers():
@@ -241,7 +247,7 @@ def test_opening_reads_only_the_header_and_the_first_access_loads_in_bulk(saved_
             U.assert_same_tensor(slices[row][1:3, :5], ref.get_slice(row)[1:3, :5], row)
             got_all = f.get_tensors()
             assert list(got_all) == list(ref.offset_keys())
-        assert load_calls == [[path]]  # one bulk read, whatever was asked after it
+        assert load_calls == [[path]]  # one read of the file, whatever was asked after it
         f.__exit__(None, None, None)
 
 
@@ -287,13 +293,13 @@ def test_requests_the_loader_cannot_serve_go_to_safetensors(saved_models, load_c
 def test_loader_options_reach_the_loader(saved_models, load_calls, monkeypatch):
     directory, cls = saved_models[("gpt2", False)]
     seen = []
-    real = fst_api.load
+    real = fst_api._open_stream
 
-    def spy(files, device="cpu", dtype=None, reader=None, nogds=None):
+    def spy(paths, device, reader, *rest):
         seen.append(reader)
-        return real(files, device=device, dtype=dtype, reader=reader, nogds=nogds)
+        return real(paths, device, reader, *rest)
 
-    monkeypatch.setattr(fst_api, "load", spy)
+    monkeypatch.setattr(fst_api, "_open_stream", spy)
     with fastsafetensors_rs.patched_transformers(reader="mmap"):
         cls.from_pretrained(str(directory))
     assert seen == ["mmap"]

@@ -95,28 +95,33 @@ def test_the_iterator_keeps_no_reference_to_what_it_yielded(shards):
 def test_device_dtype_and_reader_reach_the_loader(shards, monkeypatch):
     paths, tensors = shards
     calls = []
-    real = fst_api.load
+    real = fst_api.stream
 
-    def spy(files, device="cpu", dtype=None, reader=None, nogds=None):
-        calls.append((list(files), device, dtype, reader, nogds))
-        return real(files, device=device, dtype=dtype, reader=reader, nogds=nogds)
+    def spy(files, **options):
+        calls.append((list(files), options))
+        return real(files, **options)
 
-    monkeypatch.setattr(fst_api, "load", spy)
-    got = dict(fastsafetensors_rs.weights_iterator(paths, device="cpu", dtype=torch.float32, reader="mmap"))
-    assert [c[0] for c in calls] == [[p] for p in paths]  # one bulk read per file
-    assert {c[1:] for c in calls} == {("cpu", torch.float32, "mmap", None)}
+    monkeypatch.setattr(fst_api, "stream", spy)
+    got = dict(fastsafetensors_rs.weights_iterator(paths, device="cpu", dtype=torch.float32, reader="mmap",
+                                                   max_memory="1M"))
+    assert [c[0] for c in calls] == [paths]  # one stream over every file, in order
+    assert {k: calls[0][1][k] for k in ("dtype", "reader", "max_memory")} == {
+        "dtype": torch.float32, "reader": "mmap", "max_memory": "1M"}
     for name, t in tensors.items():
         want = t.float() if t.is_floating_point() else t
         U.assert_same_tensor(got[name], want, name)
 
 
-@pytest.mark.parametrize("prefetch", [0, 1])
-def test_a_bad_file_fails_when_reached_and_names_it(shards, tmp_path, prefetch):
+def test_a_filter_selects_what_is_read(shards):
+    paths, tensors = shards
+    got = dict(fastsafetensors_rs.weights_iterator(paths, tensor_filter="*.layers.[02].*"))
+    U.assert_same_dict(got, {n: t for n, t in tensors.items() if ".layers.1." not in n})
+
+
+def test_a_bad_file_fails_before_anything_is_read_and_names_it(shards, tmp_path):
     paths, tensors = shards
     bad = str(U.write_raw(tmp_path / "bad.safetensors", b'{"x": 1}'))
-    it = fastsafetensors_rs.weights_iterator([paths[0], bad, paths[1]], prefetch=prefetch)
-    first = [next(it) for _ in range(4)]  # all of the first file
-    assert sorted(n for n, _ in first) == sorted(n for n in tensors if ".layers.0." in n)
+    it = fastsafetensors_rs.weights_iterator([paths[0], bad, paths[1]])
     with pytest.raises(RuntimeError, match=bad):
         next(it)
 
@@ -232,6 +237,9 @@ def test_vllm_plugin_options_are_checked():
         vllm_plugin.parse_options({"prefetch": -1})
     with pytest.raises(ValueError, match=r"model_loader_extra_config\['reader'\]"):
         vllm_plugin.parse_options({"reader": "fast"})
+    assert vllm_plugin.parse_options({"max_memory": "512M"}) == {"max_memory": "512M"}
+    with pytest.raises(ValueError, match=r"model_loader_extra_config\['max_memory'\] .* a size such as '1G'"):
+        vllm_plugin.parse_options({"max_memory": 1.5})
 
 
 def test_vllm_plugin_install_as_setting_is_checked(monkeypatch):

@@ -236,8 +236,8 @@ def test_first_access_from_many_threads_loads_once(tmp_path, monkeypatch):
     path = tmp_path / "threads.safetensors"
     save_file({f"w{i}": torch.full((64,), float(i)) for i in range(16)}, str(path))
     calls = []
-    real_load = api.load
-    monkeypatch.setattr(api, "load", lambda *a, **k: calls.append(1) or real_load(*a, **k))
+    real_open = api._open_stream
+    monkeypatch.setattr(api, "_open_stream", lambda *a, **k: calls.append(1) or real_open(*a, **k))
     handle = fastsafetensors_rs.safe_open(path)
     results = {}
     threads = [threading.Thread(target=lambda n=n: results.__setitem__(n, handle.get_tensor(n))) for n in handle.keys()]

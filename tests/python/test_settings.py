@@ -157,6 +157,8 @@ CORE_SETTINGS = {
     ("FASTSAFETENSORS_READER", "fast"): "auto, direct or mmap",
     ("FASTSAFETENSORS_MAX_HOST_MEMORY", "lots"): "bytes with an optional K/M/G/T suffix (e.g. 64G), or 'unlimited'",
     ("FASTSAFETENSORS_MAX_HOST_MEMORY", "-1"): "bytes with an optional K/M/G/T suffix (e.g. 64G), or 'unlimited'",
+    ("FASTSAFETENSORS_MAX_MEMORY", "256 megs"): "bytes with an optional K/M/G/T suffix (e.g. 64G), or 'unlimited'",
+    ("FASTSAFETENSORS_MAX_MEMORY", "1.5G"): "bytes with an optional K/M/G/T suffix (e.g. 64G), or 'unlimited'",
     ("FASTSAFETENSORS_CUFILE", "/no/such/libcufile.so.0"): "the path of an existing cuFile library (libcufile.so.0)",
 }
 PY_SETTINGS = {
@@ -193,6 +195,7 @@ def test_a_malformed_python_setting_fails_every_load(model, monkeypatch, var, va
                                         ("FASTSAFETENSORS_READER", "direct"),
                                         ("FASTSAFETENSORS_MAX_HOST_MEMORY", "64G"),
                                         ("FASTSAFETENSORS_MAX_HOST_MEMORY", "unlimited"),
+                                        ("FASTSAFETENSORS_MAX_MEMORY", "256MiB"),
                                         ("FASTSAFETENSORS_PROGRESS", "off"), ("FASTSAFETENSORS_LOG", "warning"),
                                         ("FASTSAFETENSORS_CUFILE", "libcufile.so.0")])
 def test_well_formed_settings_load(model, monkeypatch, var, value):
