@@ -314,6 +314,18 @@ def test_no_build_isolation_install_per_torch(scratch, checkpoint, built_wheel, 
         """)], cwd=scratch)
         assert "site-packages/fastsafetensors/" in proc.stdout, proc.stdout
         print("import fastsafetensors ->", proc.stdout.strip())
+        # After the opt-in, the same import gives this package's compatible API.
+        proc = run([python, "-c", textwrap.dedent("""
+            import fastsafetensors_rs
+            fastsafetensors_rs.install_as_fastsafetensors()
+            import fastsafetensors
+            from fastsafetensors.parallel_loader import ParallelLoader
+            assert fastsafetensors.SafeTensorsFileLoader is fastsafetensors_rs.SafeTensorsFileLoader
+            assert ParallelLoader is fastsafetensors_rs.ParallelLoader
+            print("opted in")
+        """)], cwd=scratch)
+        assert proc.stdout.split() == ["opted", "in"], proc.stdout
+        run([python, "-m", "pip", "check"], cwd=scratch)
 
     # The wheel built against .venv's torch refuses to load here, naming both versions.
     site = scratch / f"other-torch-{torch_version}"
