@@ -17,7 +17,7 @@ use crate::device_stream::{Copier, DeviceStream};
 use crate::error::{Error, Result};
 use crate::gds::GdsMode;
 use crate::io::{self, budget, HostBuffer, ReaderKind, SourceFile};
-use crate::loader::{self, DeviceOptions, DeviceTarget, LoadOptions, Loaded, Planned};
+use crate::loader::{self, DeviceCopy, DeviceOptions, DeviceTarget, LoadOptions, Loaded, Planned};
 use crate::plan::{self, Placement};
 use crate::select::{MatchMode, RowRange, Selection, TensorFilter};
 use crate::stream::{self, Group, StreamOptions};
@@ -281,9 +281,46 @@ fn plan(paths: &[String]) -> Result<Planned> {
     Ok(planned)
 }
 
+/// The plan of `paths` narrowed to what `selection` picks.
+fn plan_selected(paths: &[String], selection: &TensorSelection) -> Result<Planned> {
+    plan(paths)?.select(&selection.to_selection()?)
+}
+
+/// The options of a stream: the reader and the `max_memory` budget ("" for the default).
+fn stream_options(reader: &str, max_memory: &str) -> Result<StreamOptions> {
+    let budget = budget::stream_budget(Some(max_memory).filter(|m| !m.is_empty()))?;
+    Ok(StreamOptions { reader: reader_kind(reader)?, ..StreamOptions::with_budget(budget) })
+}
+
+fn load_options(reader: &str) -> Result<LoadOptions> {
+    Ok(LoadOptions { reader: reader_kind(reader)?, ..LoadOptions::default() })
+}
+
+/// The CUevent handed over by the extension (0: none).
+///
+/// # Safety
+/// The extension must keep the event alive until the copies ordered after it have been waited for.
+unsafe fn ready_event(ready: u64) -> Option<RawEvent> {
+    // SAFETY: the caller's contract.
+    (ready != 0).then(|| unsafe { RawEvent::from_raw(ready) })
+}
+
+impl From<DeviceCopy> for FileCopy {
+    fn from(c: DeviceCopy) -> FileCopy {
+        FileCopy { path: c.path.name().to_owned(), offset: c.offset as usize }
+    }
+}
+
+impl LoadedFiles {
+    fn new(mut loaded: Loaded) -> Result<Box<LoadedFiles>> {
+        let specs = loaded_specs(&mut loaded)?;
+        Ok(Box::new(LoadedFiles { loaded, specs }))
+    }
+}
+
 fn plan_files(paths: &Vec<String>, selection: &TensorSelection) -> Result<Box<PlannedFiles>> {
     guard(|| {
-        let planned = plan(paths)?.select(&selection.to_selection()?)?;
+        let planned = plan_selected(paths, selection)?;
         let specs = specs(&planned.tensors)?;
         Ok(Box::new(PlannedFiles { planned, specs }))
     })
@@ -324,12 +361,9 @@ impl PlannedFiles {
             let options = DeviceOptions { reader: reader_kind(reader)?, gds, ..DeviceOptions::default() };
             let targets: Vec<_> = files.iter().zip(bases).map(|(&file, &base)| DeviceTarget { file, base }).collect();
             // SAFETY: the extension keeps the event alive until this call returns.
-            let ready = (ready != 0).then(|| unsafe { RawEvent::from_raw(ready) });
+            let ready = unsafe { ready_event(ready) };
             let copies = self.planned.copy_to_cuda(ordinal, &targets, &options, ready)?;
-            Ok(copies
-                .into_iter()
-                .map(|c| FileCopy { path: c.path.name().to_owned(), offset: c.offset as usize })
-                .collect())
+            Ok(copies.into_iter().map(FileCopy::from).collect())
         })
     }
 }
@@ -339,28 +373,20 @@ fn release_staging_buffers() -> usize {
 }
 
 fn read_to_host(planned: Box<PlannedFiles>, reader: &str) -> Result<Box<LoadedFiles>> {
-    guard(|| {
-        let options = LoadOptions { reader: reader_kind(reader)?, ..LoadOptions::default() };
-        let mut loaded = planned.planned.read_to_host(&options)?;
-        let specs = loaded_specs(&mut loaded)?;
-        Ok(Box::new(LoadedFiles { loaded, specs }))
-    })
+    guard(|| LoadedFiles::new(planned.planned.read_to_host(&load_options(reader)?)?))
 }
 
 fn load_rows(path: &str, name: &str, start: u64, stop: u64, reader: &str) -> Result<Box<LoadedFiles>> {
     guard(|| {
-        let options = LoadOptions { reader: reader_kind(reader)?, ..LoadOptions::default() };
         let exact = TensorFilter::new(MatchMode::Exact, &[name])?;
         let selection = Selection { filter: Some(exact), rows: vec![RowRange { name: name.to_owned(), start, stop }] };
         checkpoint::check_single_file(Path::new(path))?;
-        let mut loaded = plan(&[path.to_owned()])?.select(&selection)?.read_to_host(&options)?;
-        let specs = loaded_specs(&mut loaded)?;
-        Ok(Box::new(LoadedFiles { loaded, specs }))
+        LoadedFiles::new(plan(&[path.to_owned()])?.select(&selection)?.read_to_host(&load_options(reader)?)?)
     })
 }
 
 fn selected_names(paths: &Vec<String>, selection: &TensorSelection) -> Result<Vec<String>> {
-    guard(|| Ok(plan(paths)?.select(&selection.to_selection()?)?.tensors.into_iter().map(|t| t.name).collect()))
+    guard(|| Ok(plan_selected(paths, selection)?.tensors.into_iter().map(|t| t.name).collect()))
 }
 
 fn open_stream(
@@ -370,10 +396,7 @@ fn open_stream(
     max_memory: &str,
 ) -> Result<Box<TensorStream>> {
     guard(|| {
-        let budget = budget::stream_budget(Some(max_memory).filter(|m| !m.is_empty()))?;
-        let options = StreamOptions { reader: reader_kind(reader)?, ..StreamOptions::with_budget(budget) };
-        let planned = plan(paths)?.select(&selection.to_selection()?)?;
-        let stream = stream::TensorStream::open(planned, options)?;
+        let stream = stream::TensorStream::open(plan_selected(paths, selection)?, stream_options(reader, max_memory)?)?;
         Ok(Box::new(TensorStream { stream, group: None, specs: Vec::new() }))
     })
 }
@@ -386,12 +409,10 @@ fn open_device_stream(
     ordinal: usize,
 ) -> Result<Box<DeviceTensorStream>> {
     guard(|| {
-        let budget = budget::stream_budget(Some(max_memory).filter(|m| !m.is_empty()))?;
-        let options = StreamOptions { reader: reader_kind(reader)?, ..StreamOptions::with_budget(budget) };
-        let stream = DeviceStream::open(plan(paths)?.select(&selection.to_selection()?)?, &options)?;
+        let stream = DeviceStream::open(plan_selected(paths, selection)?, &stream_options(reader, max_memory)?)?;
         let copier = Copier::start(stream, move |ready| {
             // SAFETY: the extension keeps the event alive until it has waited for this copy.
-            let ready = (ready != 0).then(|| unsafe { RawEvent::from_raw(ready) });
+            let ready = unsafe { ready_event(ready) };
             Ok(Box::new(CudaDevice::new(Context::primary(ordinal)?, ready)?))
         })?;
         Ok(Box::new(DeviceTensorStream(copier)))
@@ -445,10 +466,7 @@ impl DeviceTensorStream {
     }
 
     fn wait(&self, k: usize) -> Result<FileCopy> {
-        guard(|| {
-            let c = self.0.wait(k)?;
-            Ok(FileCopy { path: c.path.name().to_owned(), offset: c.offset as usize })
-        })
+        guard(|| Ok(self.0.wait(k)?.into()))
     }
 
     fn tensor_count(&self) -> usize {

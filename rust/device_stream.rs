@@ -41,9 +41,9 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::io::{HostRead, ReadPath, SourceFile};
 use crate::loader::{self, DeviceCopy, Planned};
-use crate::plan::{self, Extent, ExtentPolicy, Placement, IO_ALIGN};
+use crate::plan::{Extent, Placement, IO_ALIGN};
 use crate::staged::{self, StagedFile, StagingOptions};
-use crate::stream::StreamOptions;
+use crate::stream::{self, StreamOptions};
 
 /// The groups of a streaming load to a device. Nothing is read until a group is copied.
 pub struct DeviceStream {
@@ -58,22 +58,13 @@ pub struct DeviceStream {
 impl DeviceStream {
     /// Plans `planned` (its selection) into groups of at most `options.group` bytes.
     pub fn open(planned: Planned, options: &StreamOptions) -> Result<DeviceStream> {
-        let policy = ExtentPolicy { align: IO_ALIGN, max_gap: options.max_gap, max_len: options.group };
-        let extents = plan::plan_extents(&planned.tensors, &planned.file_lens(), &policy);
-        let direct = loader::choose_reads(&planned.sources, &extents, options.reader, false)?
+        let (sources, groups) = stream::plan_groups(planned, options);
+        let direct = loader::choose_reads(&sources, groups.iter().map(|(e, _)| e), options.reader, false)?
             .into_iter()
             .map(|how| how == HostRead::Direct)
             .collect();
-        let mut tensors = planned.tensors.into_iter();
-        let groups = extents
-            .into_iter()
-            .map(|e| {
-                let members = tensors.by_ref().take(e.tensors.len()).collect();
-                (e, members)
-            })
-            .collect();
         let staging = StagingOptions { block: options.block, ..StagingOptions::default() };
-        Ok(DeviceStream { sources: planned.sources, budget: options.budget, groups, direct, staging })
+        Ok(DeviceStream { sources, budget: options.budget, groups, direct, staging })
     }
 
     pub fn group_count(&self) -> usize {

@@ -334,9 +334,9 @@ pub fn release_staging_buffers() -> usize {
 /// How each file is brought into host memory to read `extents` of it: a file with nothing to
 /// read is not looked at. When the caller keeps everything it reads (`keeps_all`), direct
 /// reads that would not fit in host memory are made mappings ([`map_what_does_not_fit`]).
-pub(crate) fn choose_reads<S: std::borrow::Borrow<SourceFile>>(
+pub(crate) fn choose_reads<'a, S: std::borrow::Borrow<SourceFile>>(
     sources: &[S],
-    extents: &[Extent],
+    extents: impl IntoIterator<Item = &'a Extent>,
     reader: ReaderKind,
     keeps_all: bool,
 ) -> Result<Vec<HostRead>> {

@@ -75,6 +75,25 @@ impl StreamOptions {
     }
 }
 
+/// The selected tensors cut into the groups a stream hands out: extents of at most
+/// `options.group` bytes (a larger tensor alone), each with its tensors, in read order.
+pub(crate) fn plan_groups(
+    planned: Planned,
+    options: &StreamOptions,
+) -> (Vec<SourceFile>, Vec<(Extent, Vec<Placement>)>) {
+    let policy = ExtentPolicy { align: IO_ALIGN, max_gap: options.max_gap, max_len: options.group };
+    let extents = plan::plan_extents(&planned.tensors, &planned.file_lens(), &policy);
+    let mut tensors = planned.tensors.into_iter();
+    let groups = extents
+        .into_iter()
+        .map(|e| {
+            let members = tensors.by_ref().take(e.tensors.len()).collect();
+            (e, members)
+        })
+        .collect();
+    (planned.sources, groups)
+}
+
 /// The group size for a budget: a quarter of it, so that several groups are read while the
 /// consumer works on one, within [`IO_ALIGN`] and [`DEFAULT_GROUP`].
 pub fn group_for(budget: u64) -> u64 {
@@ -122,15 +141,12 @@ type Reader = BlockReader<Arc<SourceFile>>;
 impl TensorStream {
     /// Starts reading the tensors of `planned` (its selection) in the background.
     pub fn open(planned: Planned, options: StreamOptions) -> Result<TensorStream> {
-        let policy = ExtentPolicy { align: IO_ALIGN, max_gap: options.max_gap, max_len: options.group };
-        let extents = plan::plan_extents(&planned.tensors, &planned.file_lens(), &policy);
         let (tensors, bytes) = (planned.tensors.len(), planned.tensors.iter().map(|t| t.nbytes).sum());
-        let mut placements = planned.tensors.into_iter();
-        let members: Vec<Vec<Placement>> =
-            extents.iter().map(|e| placements.by_ref().take(e.tensors.len()).collect()).collect();
-        let sources: Vec<Arc<SourceFile>> = planned.sources.into_iter().map(Arc::new).collect();
+        let (sources, groups) = plan_groups(planned, &options);
+        let sources: Vec<Arc<SourceFile>> = sources.into_iter().map(Arc::new).collect();
         // Without a budget the caller keeps everything, as a load that returns it all does.
-        let how = loader::choose_reads(&sources, &extents, options.reader, options.budget == u64::MAX)?;
+        let keeps_all = options.budget == u64::MAX;
+        let how = loader::choose_reads(&sources, groups.iter().map(|(e, _)| e), options.reader, keeps_all)?;
         // A reader for each file read directly; files mapped (or with nothing selected) have none.
         let mut readers = vec![None; sources.len()];
         for (i, src) in sources.iter().enumerate() {
@@ -149,7 +165,7 @@ impl TensorStream {
             sources: sources.clone(),
             readers: readers.clone(),
             mapped,
-            groups: extents.into_iter().zip(members).collect(),
+            groups,
             options,
         };
         let groups = work.groups.len();
