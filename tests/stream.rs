@@ -30,6 +30,14 @@ fn expected_bytes(file: &[u8], path: &Path, name: &str) -> Vec<u8> {
 
 /// A two-file, layer-shaped checkpoint: `layers` layers of three tensors of various sizes
 /// (some larger than a page, some empty, one scalar), in file order.
+/// A file of `count` U8 tensors `t0`, `t1`, ... of `len` bytes each.
+fn u8_tensors(dir: &TempDir, file: &str, count: usize, len: u64) -> PathBuf {
+    let names: Vec<String> = (0..count).map(|i| format!("t{i}")).collect();
+    let shape = [len];
+    let spec: Vec<(&str, &str, &[u64])> = names.iter().map(|n| (n.as_str(), "U8", &shape[..])).collect();
+    dir.write(file, &safetensors(&spec, 8))
+}
+
 fn checkpoint(dir: &TempDir, layers: usize) -> (Vec<PathBuf>, Vec<Vec<u8>>) {
     let names: Vec<[String; 4]> = (0..layers)
         .map(|i| {
@@ -127,9 +135,7 @@ fn every_reader_streams_the_selected_tensors_bit_exact_in_read_order() {
 fn memory_stays_within_the_budget_while_reads_run_ahead() {
     let dir = TempDir::new("stream-budget");
     // 64 tensors of 20000 bytes: with groups of 16 KiB, each is a group (of 24 KiB) alone.
-    let names: Vec<String> = (0..64).map(|i| format!("t{i}")).collect();
-    let spec: Vec<(&str, &str, &[u64])> = names.iter().map(|n| (n.as_str(), "U8", &[20000u64][..])).collect();
-    let path = dir.write("big.safetensors", &safetensors(&spec, 8));
+    let path = u8_tensors(&dir, "big.safetensors", 64, 20000);
     for budget in [1u64, 24576, 100_000, 1 << 20] {
         let options = StreamOptions {
             reader: ReaderKind::Direct,
@@ -205,9 +211,7 @@ fn a_tensor_larger_than_the_budget_loads_alone() {
 #[test]
 fn dropping_the_stream_early_stops_its_reads_and_frees_its_memory() {
     let dir = TempDir::new("stream-drop");
-    let names: Vec<String> = (0..256).map(|i| format!("t{i}")).collect();
-    let spec: Vec<(&str, &str, &[u64])> = names.iter().map(|n| (n.as_str(), "U8", &[65536u64][..])).collect();
-    let path = dir.write("d.safetensors", &safetensors(&spec, 8));
+    let path = u8_tensors(&dir, "d.safetensors", 256, 65536);
     for reader in READERS {
         // Unlimited: the scheduler queues every read at once, so most are pending at the drop.
         let options = StreamOptions { reader, block: IO_ALIGN, group: 65536, ..StreamOptions::with_budget(u64::MAX) };
