@@ -10,17 +10,17 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::checkpoint::{self, Checkpoint};
-use crate::cuda::driver::{self, Context, RawEvent};
+use crate::device::driver::{self, Context, RawEvent};
+use crate::device::gds::GdsMode;
 use crate::device::CudaDevice;
-use crate::device_stream::{Copier, DeviceStream};
 use crate::error::{Error, Result};
-use crate::gds::GdsMode;
-use crate::io::{self, budget, HostBuffer, ReaderKind, SourceFile};
-use crate::loader::{self, DeviceCopy, DeviceOptions, DeviceTarget, LoadOptions, Loaded, Planned};
+use crate::load::checkpoint::{self, Checkpoint};
+use crate::load::device_stream::{Copier, DeviceStream};
+use crate::load::stream::{self, Group, StreamOptions};
+use crate::load::{self, DeviceCopy, DeviceOptions, DeviceTarget, LoadOptions, Loaded, Planned};
+use crate::plan::select::{MatchMode, RowRange, Selection, TensorFilter};
 use crate::plan::{self, Placement};
-use crate::select::{MatchMode, RowRange, Selection, TensorFilter};
-use crate::stream::{self, Group, StreamOptions};
+use crate::source::{budget, HostBuffer, ReaderKind, SourceFile};
 
 #[cxx::bridge(namespace = "fastsafetensors::rs")]
 mod ffi {
@@ -274,9 +274,9 @@ fn reader_kind(reader: &str) -> Result<ReaderKind> {
 /// Every load starts here: settings checked, paths resolved to files (directories and
 /// indexes expanded), headers validated, and the tensors checked against any index.
 fn plan(paths: &[String]) -> Result<Planned> {
-    io::check_env()?;
+    load::check_env()?;
     let checkpoints = checkpoint::resolve_all(&paths.iter().map(PathBuf::from).collect::<Vec<_>>())?;
-    let planned = loader::plan_files(&checkpoint::files(&checkpoints))?;
+    let planned = load::plan_files(&checkpoint::files(&checkpoints))?;
     checkpoint::check_placed(&checkpoints, &planned.tensors)?;
     Ok(planned)
 }
@@ -369,7 +369,7 @@ impl PlannedFiles {
 }
 
 fn release_staging_buffers() -> usize {
-    guard(|| Ok(loader::release_staging_buffers())).unwrap_or(0)
+    guard(|| Ok(load::release_staging_buffers())).unwrap_or(0)
 }
 
 fn read_to_host(planned: Box<PlannedFiles>, reader: &str) -> Result<Box<LoadedFiles>> {
@@ -579,7 +579,7 @@ fn read_header(path: &str) -> Result<HeaderSpec> {
     guard(|| {
         let path = PathBuf::from(path);
         checkpoint::check_single_file(&path)?;
-        let header = loader::read_header(&path)?;
+        let header = load::read_header(&path)?;
         let placements = plan::place(std::slice::from_ref(&path), std::slice::from_ref(&header))?;
         Ok(HeaderSpec {
             has_metadata: header.metadata.is_some(),

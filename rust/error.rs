@@ -1,9 +1,9 @@
 //! The crate's error type. Every variant names the file (and tensor) it is about, because a
 //! user loading a 30-file checkpoint needs to know which file to look at.
 
+use std::fmt;
 use std::path::PathBuf;
 
-use crate::checkpoint::Problem;
 use crate::format::FormatError;
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -102,5 +102,38 @@ impl Error {
 
     pub(crate) fn io(path: impl Into<PathBuf>, op: &'static str, source: std::io::Error) -> Error {
         Error::Io { path: path.into(), op, source }
+    }
+}
+
+/// A disagreement between a checkpoint's files and its index, or between its files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Problem {
+    /// The index lists a shard that is not there.
+    MissingShard { shard: String, reason: String },
+    /// Two files hold a tensor of the same name.
+    Duplicate { name: String, first: PathBuf, second: PathBuf },
+    /// The index maps a tensor to one shard, but another shard holds it.
+    WrongShard { name: String, listed: String, found: PathBuf },
+    /// The index maps a tensor that no shard holds.
+    NotInShards { name: String, listed: String },
+    /// A shard holds a tensor the index does not list.
+    Unlisted { name: String, file: PathBuf },
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Problem::MissingShard { shard, reason } => write!(f, "lists shard {shard}, which {reason}"),
+            Problem::Duplicate { name, first, second } => {
+                write!(f, "tensor '{name}' is in both {} and {}", first.display(), second.display())
+            }
+            Problem::WrongShard { name, listed, found } => {
+                write!(f, "maps '{name}' to {listed}, but it is in {}", found.display())
+            }
+            Problem::NotInShards { name, listed } => {
+                write!(f, "maps '{name}' to {listed}, but none of the shards it lists has it")
+            }
+            Problem::Unlisted { name, file } => write!(f, "does not list tensor '{name}' of {}", file.display()),
+        }
     }
 }

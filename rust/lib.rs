@@ -1,28 +1,30 @@
 //! Fast, validated loading of `.safetensors` checkpoints into host or CUDA memory.
 //!
-//! The data flows one way through the modules: [`checkpoint`] turns the paths given
-//! (files, checkpoint directories, indexes) into files, [`format`] parses and validates headers,
-//! [`select`] decides which tensors a load wants, [`plan`] what to read and where each tensor
-//! lands, [`io`] moves the bytes into host memory (all at once, or through [`stream`] in
-//! groups handed out as they arrive, within a memory budget), and [`staged`] (through a
-//! [`device::StagingDevice`]) or [`gds`] (through cuFile) into device memory; [`loader`] runs
-//! them for a set of files. [`cuda`] holds every
-//! driver call. [`bridge`] is the only FFI surface: the C++ torch extension calls it and
-//! wraps the buffers as tensors.
+//! The modules follow the data, and every import points down this list:
+//!
+//! - [`error`]: the one error type (every variant names its file), and [`settings`]: the
+//!   environment variables the loader reads;
+//! - [`format`]: headers parsed and validated, the dtype table;
+//! - [`plan`]: which tensors a load wants ([`plan::select`]), where each lands and which byte
+//!   ranges to read (pure computation);
+//! - [`source`]: where the bytes come from, behind the [`source::Source`] seam: a local file
+//!   read with `O_DIRECT` ([`source::direct`]) or mapped ([`source::mmap`]), within the
+//!   host-memory budget ([`source::budget`]);
+//! - [`device`]: device memory: the CUDA driver and cuFile layers, the pinned staging pipeline,
+//!   GPUDirect Storage, and a host-memory stand-in for tests;
+//! - [`load`]: the loads that run those for a set of files: paths resolved to checkpoint files
+//!   ([`load::checkpoint`]), bulk loads to host or device, streams ([`load::stream`],
+//!   [`load::device_stream`]);
+//! - [`bridge`]: the only FFI surface. The C++ torch extension calls it, wraps the buffers as
+//!   tensors and carries out what it says for each tensor.
 
 pub mod bridge;
-pub mod checkpoint;
-pub mod cuda;
 pub mod device;
-pub mod device_stream;
 pub mod error;
 pub mod format;
-pub mod gds;
-pub mod io;
-pub mod loader;
+pub mod load;
 pub mod plan;
-pub mod select;
-pub mod staged;
-pub mod stream;
+pub mod settings;
+pub mod source;
 
 pub use error::{Error, Result};

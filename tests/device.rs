@@ -13,12 +13,12 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use common::{safetensors, TempDir};
-use fastsafetensors::cuda::cufile::{CuFileApi, FileHandle};
+use fastsafetensors::device::cufile::{CuFileApi, FileHandle};
+use fastsafetensors::device::gds::{GdsMode, GdsOptions};
+use fastsafetensors::device::StagingOptions;
 use fastsafetensors::device::{Device, HostMemoryDevice};
-use fastsafetensors::gds::{GdsMode, GdsOptions};
-use fastsafetensors::io::{ReadPath, ReaderKind};
-use fastsafetensors::loader::{plan_files, DeviceCopy, DeviceOptions, DeviceTarget, Planned};
-use fastsafetensors::staged::StagingOptions;
+use fastsafetensors::load::{plan_files, DeviceCopy, DeviceOptions, DeviceTarget, Planned};
+use fastsafetensors::source::{ReadPath, ReaderKind};
 use fastsafetensors::Error;
 
 const NO_CUFILE: Result<&FakeCuFile, &str> = Err("not on this machine");
@@ -604,7 +604,7 @@ fn nogds_never_touches_cufile() {
 #[test]
 fn without_a_driver_cuda_fails_cleanly() {
     // This machine may or may not have a GPU; without one the answer must be an error, fast.
-    match fastsafetensors::cuda::driver::device_count() {
+    match fastsafetensors::device::driver::device_count() {
         Ok(n) => eprintln!("{n} CUDA device(s) present"),
         Err(e) => assert!(e.to_string().starts_with("CUDA: "), "{e}"),
     }

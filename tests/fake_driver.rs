@@ -1,4 +1,4 @@
-//! The CUDA layer itself — rust/cuda/driver.rs, the CUDA device and `copy_to_cuda` — against
+//! The CUDA layer itself — rust/device/driver.rs, the CUDA device and `copy_to_cuda` — against
 //! a fake driver, on machines without a GPU.
 //!
 //! tests/fake_cuda/fake_cuda.c is compiled into a library whose soname is `libcuda.so` and
@@ -15,11 +15,11 @@ use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use common::{safetensors, TempDir};
-use fastsafetensors::cuda::driver::RawEvent;
-use fastsafetensors::gds::GdsMode;
-use fastsafetensors::io::ReaderKind;
-use fastsafetensors::loader::{self, plan_files, DeviceCopy, DeviceOptions, DeviceTarget, Planned};
-use fastsafetensors::staged::StagingOptions;
+use fastsafetensors::device::driver::RawEvent;
+use fastsafetensors::device::gds::GdsMode;
+use fastsafetensors::device::StagingOptions;
+use fastsafetensors::load::{self, plan_files, DeviceCopy, DeviceOptions, DeviceTarget, Planned};
+use fastsafetensors::source::ReaderKind;
 use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW};
 use memmap2::MmapMut;
 
@@ -215,7 +215,7 @@ fn copies_are_ordered_after_torchs_stream_without_a_device_wide_wait() {
 fn pinned_staging_is_allocated_once_and_released_on_request() {
     let (fake, _serial) = fake();
     let dir = TempDir::new("fake-pool");
-    loader::release_staging_buffers();
+    load::release_staging_buffers();
     fake.call::<()>("fake_reset");
     load(fake, &dir, 0, GdsMode::Never).unwrap();
     let first = fake.count("fake_pinned_allocations");
@@ -225,7 +225,7 @@ fn pinned_staging_is_allocated_once_and_released_on_request() {
     assert!((1..=4).contains(&first), "{first} pinned buffers for 4 slots");
     assert_eq!(fake.count("fake_pinned_allocations"), first, "pinned allocations over 20 loads");
     assert_eq!(fake.count("fake_pinned_frees"), 0, "pinned buffers freed between loads");
-    assert_eq!(loader::release_staging_buffers(), first as usize);
+    assert_eq!(load::release_staging_buffers(), first as usize);
     assert_eq!(fake.count("fake_pinned_frees"), first);
     fake.assert_no_violations();
 }
@@ -238,7 +238,7 @@ fn a_failed_event_record_leaves_no_copy_running() {
     let err = load(fake, &dir, 0, GdsMode::Never).unwrap_err();
     assert!(err.to_string().contains("cuEventRecord"), "{err}");
     assert_eq!(fake.call::<std::ffi::c_ulong>("fake_unfinished_copies"), 0, "copies left running after the error");
-    loader::release_staging_buffers();
+    load::release_staging_buffers();
     fake.assert_none_of("under a copy that may still be running");
     fake.assert_no_violations();
 }
@@ -248,7 +248,7 @@ fn streams_events_and_pinned_memory_go_before_their_context() {
     let (fake, _serial) = fake();
     let dir = TempDir::new("fake-order-of-release");
     load(fake, &dir, 1, GdsMode::Never).unwrap();
-    loader::release_staging_buffers();
+    load::release_staging_buffers();
     fake.assert_none_of("after its context was released");
     fake.assert_no_violations();
     assert_eq!(fake.call1::<c_int, c_int>("fake_primary_retained", 1), 0, "retains and releases balance");
@@ -261,7 +261,7 @@ fn a_cufile_library_the_user_named_is_the_only_one_tried() {
     let not_a_library = dir.write("libcufile.so.0", b"not a shared object");
     let chosen = std::env::var_os("FASTSAFETENSORS_CUFILE");
     std::env::set_var("FASTSAFETENSORS_CUFILE", &not_a_library);
-    let opened = fastsafetensors::cuda::cufile::CuFileLibrary::open();
+    let opened = fastsafetensors::device::cufile::CuFileLibrary::open();
     std::env::set_var("FASTSAFETENSORS_CUFILE", chosen.expect("the fake sets it"));
     let err = opened.err().expect("a file that is not a library must not load");
     assert!(

@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 
 use common::{safetensors, TempDir};
 
-use fastsafetensors::io::{ReadPath, ReaderKind};
-use fastsafetensors::loader::{plan_files, read_header, LoadOptions, Loaded};
+use fastsafetensors::load::{plan_files, read_header, LoadOptions, Loaded};
+use fastsafetensors::source::{ReadPath, ReaderKind};
 use fastsafetensors::{Error, Result};
 
 fn load(paths: &[PathBuf], options: &LoadOptions) -> Result<Loaded> {

@@ -11,12 +11,12 @@ use std::sync::Arc;
 use common::{safetensors, TempDir};
 
 use fastsafetensors::device::HostMemoryDevice;
-use fastsafetensors::device_stream::{Copier, DeviceStream};
-use fastsafetensors::io::{ReadPath, ReaderKind};
-use fastsafetensors::loader::{plan_files, read_header, LoadOptions};
+use fastsafetensors::load::device_stream::{Copier, DeviceStream};
+use fastsafetensors::load::stream::{StreamOptions, TensorStream};
+use fastsafetensors::load::{plan_files, read_header, LoadOptions};
+use fastsafetensors::plan::select::{MatchMode, RowRange, Selection, TensorFilter};
 use fastsafetensors::plan::{align_up, IO_ALIGN};
-use fastsafetensors::select::{MatchMode, RowRange, Selection, TensorFilter};
-use fastsafetensors::stream::{StreamOptions, TensorStream};
+use fastsafetensors::source::{ReadPath, ReaderKind};
 use fastsafetensors::Error;
 
 const READERS: [ReaderKind; 3] = [ReaderKind::Direct, ReaderKind::Mmap, ReaderKind::Auto];

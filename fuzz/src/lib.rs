@@ -12,9 +12,9 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use fastsafetensors::format::{self, FormatError, Header, LEN_PREFIX, MAX_HEADER_LEN};
-use fastsafetensors::io::ReaderKind;
-use fastsafetensors::loader::{plan_files, LoadOptions};
+use fastsafetensors::load::{plan_files, LoadOptions};
 use fastsafetensors::plan::{self, Placement, IO_ALIGN};
+use fastsafetensors::source::ReaderKind;
 use fastsafetensors::Error;
 
 /// Separates the files of a multi-file input (see [`check_place`]). Bytes 0xfe and 0xff

@@ -1,5 +1,5 @@
 """Checkpoint directories and indexes: `load`, `load_file`, the op (Python and TorchScript),
-its fake kernel and the CLI all take them, by one rule (rust/checkpoint.rs), and check the
+its fake kernel and the CLI all take them, by one rule (rust/load/checkpoint.rs), and check the
 shards against the index; `safe_open` and the compatible API read one file and say so."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 //! Loading: headers → plan → reads, for a set of files at once.
 //!
 //! ```no_run
-//! use fastsafetensors::loader::{plan_files, LoadOptions};
+//! use fastsafetensors::load::{plan_files, LoadOptions};
 //! let loaded = plan_files(&["model-00001.safetensors".into()])?.read_to_host(&LoadOptions::default())?;
 //! for t in &loaded.tensors {
 //!     let bytes = loaded.bytes(t);
@@ -10,23 +10,29 @@
 //! # Ok::<(), fastsafetensors::Error>(())
 //! ```
 
+pub mod checkpoint;
+pub mod device_stream;
+pub mod stream;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::cuda::cufile::{self, CuFileApi};
-use crate::cuda::driver::{Context, RawEvent};
+use crate::device::cufile::{self, CuFileApi};
+use crate::device::driver::{Context, RawEvent};
+use crate::device::gds::{self, GdsFile, GdsMode, GdsOptions, GdsOutcome};
+use crate::device::staged::{self, StagedFile};
+use crate::device::StagingOptions;
 use crate::device::{CudaDevice, Device};
 use crate::error::{Error, Result};
 use crate::format::Header;
-use crate::gds::{self, GdsFile, GdsMode, GdsOptions, GdsOutcome};
-use crate::io::direct::{self, BlockReader};
-use crate::io::{self, budget, HostBuffer, HostRead, ReadPath, ReaderKind, SourceFile};
+use crate::plan::select::Selection;
 use crate::plan::{self, Extent, ExtentPolicy, Placement, IO_ALIGN};
-use crate::select::Selection;
-use crate::staged::{self, StagedFile, StagingOptions};
+use crate::settings;
+use crate::source::direct::{self, BlockReader};
+use crate::source::{self, budget, HostBuffer, HostRead, ReadPath, ReaderKind, SourceFile};
 
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
@@ -176,7 +182,7 @@ impl Planned {
         let buffers = if readers.iter().all(Option::is_none) {
             extents.iter().map(read).collect::<Result<Vec<_>>>()
         } else {
-            io::io_pool().install(|| extents.par_iter().map(read).collect::<Result<Vec<_>>>())
+            source::io_pool().install(|| extents.par_iter().map(read).collect::<Result<Vec<_>>>())
         }?;
         let mut paths = vec![ReadPath::NotRead; self.sources.len()];
         for (e, b) in extents.iter().zip(&buffers) {
@@ -301,15 +307,26 @@ impl Planned {
             return Ok(Vec::new());
         }
         let device = CudaDevice::new(ctx, ready)?;
-        let cufile = match options.gds {
-            GdsMode::Never => Err("disabled (nogds=True)"),
-            // cuFile is opened only now that a context exists on a real device.
-            gds => device.with_current(|| cufile::shared(gds))?,
-        };
+        // cuFile is opened only now that a context exists on a real device.
+        let cufile = device.with_current(|| gds::cufile_for(options.gds))?;
         // Every copy has completed when this returns, on success and on error: the ring
         // drains its slots, and cuFile reads are synchronous.
         self.copy_to_device(&device, cufile, targets, options)
     }
+}
+
+/// Checks every setting the loader reads from the environment, so that a malformed one fails
+/// the load with an error naming it instead of being ignored or read only by some loads.
+pub fn check_env() -> Result<()> {
+    ReaderKind::resolve(None)?;
+    source::io_threads()?;
+    budget::limit_from_env()?;
+    budget::stream_limit_from_env()?;
+    // Read when GPUDirect Storage is tried; a path must name a file (a bare library name is
+    // left to the dynamic loader's search).
+    let library = |v: &str| (!v.contains('/') || Path::new(v).is_file()).then_some(());
+    settings::setting(cufile::CUFILE_ENV, "the path of an existing cuFile library (libcufile.so.0)", library)?;
+    Ok(())
 }
 
 /// Where a file goes: an allocation of `device_alloc_len(file)` bytes at device address `base`.

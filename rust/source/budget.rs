@@ -28,12 +28,12 @@ const SIZE: &str = "bytes with an optional K/M/G/T suffix (e.g. 64G), or 'unlimi
 /// The cap on owned host memory: `Some(Some(bytes))`, `Some(None)` for `unlimited`, None
 /// when `$FASTSAFETENSORS_MAX_HOST_MEMORY` is not set; an error when it is malformed.
 pub fn limit_from_env() -> Result<Option<Option<u64>>> {
-    super::setting(MAX_HOST_MEMORY_ENV, SIZE, parse_size)
+    crate::settings::setting(MAX_HOST_MEMORY_ENV, SIZE, parse_size)
 }
 
 /// A stream's budget from `$FASTSAFETENSORS_MAX_MEMORY`: as [`limit_from_env`].
 pub fn stream_limit_from_env() -> Result<Option<Option<u64>>> {
-    super::setting(MAX_MEMORY_ENV, SIZE, parse_size)
+    crate::settings::setting(MAX_MEMORY_ENV, SIZE, parse_size)
 }
 
 /// The host-memory limit of a load that returns everything: `$FASTSAFETENSORS_MAX_HOST_MEMORY`

@@ -2,8 +2,8 @@
 //! the reads of later groups go on in the background, within a memory budget.
 //!
 //! ```no_run
-//! use fastsafetensors::loader::plan_files;
-//! use fastsafetensors::stream::{StreamOptions, TensorStream};
+//! use fastsafetensors::load::plan_files;
+//! use fastsafetensors::load::stream::{StreamOptions, TensorStream};
 //! let planned = plan_files(&["model-00001.safetensors".into()])?;
 //! let mut stream = TensorStream::open(planned, StreamOptions::with_budget(256 << 20))?;
 //! while let Some(group) = stream.next_group()? {
@@ -38,12 +38,12 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 
 use crate::error::{Error, Result};
-use crate::io::direct::{self, BlockReader};
+use crate::source::direct::{self, BlockReader};
 use memmap2::MmapMut;
 
-use crate::io::{io_pool, HostBuffer, HostRead, ReadPath, ReaderKind, SourceFile};
-use crate::loader::{self, Planned};
+use crate::load::{self, Planned};
 use crate::plan::{self, Extent, ExtentPolicy, Placement, IO_ALIGN};
+use crate::source::{io_pool, HostBuffer, HostRead, ReadPath, ReaderKind, SourceFile};
 
 /// Largest group when the budget allows it: large enough that a group's reads keep several
 /// I/O threads busy, small beside any budget worth setting.
@@ -146,7 +146,7 @@ impl TensorStream {
         let sources: Vec<Arc<SourceFile>> = sources.into_iter().map(Arc::new).collect();
         // Without a budget the caller keeps everything, as a load that returns it all does.
         let keeps_all = options.budget == u64::MAX;
-        let how = loader::choose_reads(&sources, groups.iter().map(|(e, _)| e), options.reader, keeps_all)?;
+        let how = load::choose_reads(&sources, groups.iter().map(|(e, _)| e), options.reader, keeps_all)?;
         // A reader for each file read directly; files mapped (or with nothing selected) have none.
         let mut readers = vec![None; sources.len()];
         for (i, src) in sources.iter().enumerate() {

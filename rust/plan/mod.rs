@@ -8,6 +8,8 @@
 //! ranges, merged where the gaps between them are small; a streaming load also caps each
 //! extent's size, so that it can be handed out while the next ones are read.
 
+pub mod select;
+
 use std::collections::HashMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};

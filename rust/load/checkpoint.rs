@@ -20,7 +20,7 @@
 //! made of them).
 //!
 //! ```no_run
-//! use fastsafetensors::checkpoint::Checkpoint;
+//! use fastsafetensors::load::checkpoint::Checkpoint;
 //! let ckpt = Checkpoint::resolve("models/llama".as_ref())?;
 //! ckpt.check_files()?;
 //! println!("{} files, index {:?}", ckpt.files.len(), ckpt.index.as_ref().map(|i| &i.path));
@@ -28,12 +28,11 @@
 //! ```
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::fmt;
 use std::path::{Component, Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Problem, Result};
 use crate::plan::Placement;
 
 /// How the name of a checkpoint index ends in a directory.
@@ -62,39 +61,6 @@ pub struct Index {
     pub weight_map: BTreeMap<String, String>,
     /// The shards as written, in the order of [`Checkpoint::files`].
     pub shards: Vec<String>,
-}
-
-/// A disagreement between a checkpoint's files and its index, or between its files.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Problem {
-    /// The index lists a shard that is not there.
-    MissingShard { shard: String, reason: String },
-    /// Two files hold a tensor of the same name.
-    Duplicate { name: String, first: PathBuf, second: PathBuf },
-    /// The index maps a tensor to one shard, but another shard holds it.
-    WrongShard { name: String, listed: String, found: PathBuf },
-    /// The index maps a tensor that no shard holds.
-    NotInShards { name: String, listed: String },
-    /// A shard holds a tensor the index does not list.
-    Unlisted { name: String, file: PathBuf },
-}
-
-impl fmt::Display for Problem {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Problem::MissingShard { shard, reason } => write!(f, "lists shard {shard}, which {reason}"),
-            Problem::Duplicate { name, first, second } => {
-                write!(f, "tensor '{name}' is in both {} and {}", first.display(), second.display())
-            }
-            Problem::WrongShard { name, listed, found } => {
-                write!(f, "maps '{name}' to {listed}, but it is in {}", found.display())
-            }
-            Problem::NotInShards { name, listed } => {
-                write!(f, "maps '{name}' to {listed}, but none of the shards it lists has it")
-            }
-            Problem::Unlisted { name, file } => write!(f, "does not list tensor '{name}' of {}", file.display()),
-        }
-    }
 }
 
 #[derive(Deserialize)]
@@ -258,7 +224,8 @@ impl Checkpoint {
     /// Every problem of the checkpoint, reading the headers of its files (for reports; a
     /// file that cannot be read is left to the caller to report).
     pub fn survey(&self) -> Vec<Problem> {
-        let headers: Vec<_> = self.files.iter().map(|f| crate::loader::read_header(f).ok()).collect();
+        let headers: Vec<_> =
+            self.files.iter().map(|f| crate::source::SourceFile::open(f).and_then(|s| s.header()).ok()).collect();
         let names: Vec<Option<Vec<&str>>> =
             headers.iter().map(|h| h.as_ref().map(|h| h.tensors.iter().map(|t| t.name.as_str()).collect())).collect();
         let mut problems = self.missing_files();

@@ -245,12 +245,9 @@ pub fn nvidia_fs_loaded() -> bool {
     std::path::Path::new("/proc/driver/nvidia-fs/stats").exists()
 }
 
-/// cuFile, opened once per process, or why it cannot be used: in `Auto` mode only where the
-/// nvidia-fs driver is loaded. Call only once a context exists on a real device.
-pub fn shared(gds: crate::gds::GdsMode) -> Result<&'static CuFileLibrary, &'static str> {
+/// cuFile, opened once per process, or why it cannot be used. Call only once a context exists
+/// on a real device.
+pub fn shared() -> Result<&'static CuFileLibrary, &'static str> {
     static LIBRARY: std::sync::OnceLock<Result<CuFileLibrary, String>> = std::sync::OnceLock::new();
-    if gds == crate::gds::GdsMode::Auto && !nvidia_fs_loaded() {
-        return Err("the nvidia-fs driver is not loaded");
-    }
     LIBRARY.get_or_init(CuFileLibrary::open).as_ref().map_err(String::as_str)
 }

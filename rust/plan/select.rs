@@ -2,7 +2,7 @@
 //! before any data is read.
 //!
 //! ```
-//! use fastsafetensors::select::{MatchMode, TensorFilter};
+//! use fastsafetensors::plan::select::{MatchMode, TensorFilter};
 //! let last_layers = TensorFilter::new(MatchMode::Glob, &["model.layers.1[89].*", "lm_head.*"])?;
 //! assert!(last_layers.matches("model.layers.19.mlp.up_proj.weight"));
 //! assert!(!last_layers.matches("model.layers.9.mlp.up_proj.weight"));

@@ -29,6 +29,7 @@ use memmap2::MmapMut;
 use crate::error::{Error, Result};
 use crate::format::{self, Header};
 use crate::plan::Extent;
+use crate::settings::setting;
 
 /// Environment variable that picks the reader when the caller does not.
 pub const READER_ENV: &str = "FASTSAFETENSORS_READER";
@@ -77,29 +78,6 @@ impl ReaderKind {
     }
 }
 
-/// The value of environment variable `var`, parsed: None when unset or blank, an error
-/// naming the variable and what it accepts (`expected`) when `parse` refuses it.
-pub(crate) fn setting<T>(
-    var: &'static str,
-    expected: &'static str,
-    parse: impl FnOnce(&str) -> Option<T>,
-) -> Result<Option<T>> {
-    let value = match std::env::var(var) {
-        Ok(value) => value,
-        Err(std::env::VarError::NotPresent) => return Ok(None),
-        Err(std::env::VarError::NotUnicode(raw)) => {
-            return Err(Error::InvalidSetting { var, value: raw.to_string_lossy().into_owned(), expected })
-        }
-    };
-    if value.trim().is_empty() {
-        return Ok(None);
-    }
-    match parse(value.trim()) {
-        Some(parsed) => Ok(Some(parsed)),
-        None => Err(Error::InvalidSetting { var, value, expected }),
-    }
-}
-
 /// The number of I/O threads: `$FASTSAFETENSORS_THREADS`, else 8.
 pub fn io_threads() -> Result<usize> {
     Ok(setting(THREADS_ENV, "a whole number of threads from 1 to 1024", parse_threads)?.unwrap_or(DEFAULT_THREADS))
@@ -107,20 +85,6 @@ pub fn io_threads() -> Result<usize> {
 
 fn parse_threads(value: &str) -> Option<usize> {
     value.parse::<usize>().ok().filter(|n| (1..=MAX_THREADS).contains(n))
-}
-
-/// Checks every setting the loader reads from the environment, so that a malformed one fails
-/// the load with an error naming it instead of being ignored or read only by some loads.
-pub fn check_env() -> Result<()> {
-    ReaderKind::resolve(None)?;
-    io_threads()?;
-    budget::limit_from_env()?;
-    budget::stream_limit_from_env()?;
-    // Read when GPUDirect Storage is tried; a path must name a file (a bare library name is
-    // left to the dynamic loader's search).
-    let library = |v: &str| (!v.contains('/') || Path::new(v).is_file()).then_some(());
-    setting(crate::cuda::cufile::CUFILE_ENV, "the path of an existing cuFile library (libcufile.so.0)", library)?;
-    Ok(())
 }
 
 /// How a file's bytes actually arrived.

@@ -25,10 +25,10 @@ use std::sync::Mutex;
 
 use rayon::prelude::*;
 
-use crate::cuda::cufile::{CuFileApi, FileHandle};
+use crate::device::cufile::{self, CuFileApi, CuFileLibrary, FileHandle};
 use crate::device::Device;
-use crate::io::{io_pool, SourceFile};
 use crate::plan::{self, ReadBlock, IO_ALIGN};
+use crate::source::{io_pool, SourceFile};
 
 /// Whether to use GPUDirect Storage (the `nogds` argument of fastsafetensors).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -50,6 +50,17 @@ impl GdsMode {
             Some(true) => GdsMode::Never,
             Some(false) => GdsMode::Require,
         }
+    }
+}
+
+/// cuFile for a load in `mode`, or why it is not used: in `Auto` mode only where the nvidia-fs
+/// driver is loaded (without it cuFile only emulates GDS, slower than the staged path). Call
+/// only once a context exists on a real device.
+pub fn cufile_for(mode: GdsMode) -> std::result::Result<&'static CuFileLibrary, &'static str> {
+    match mode {
+        GdsMode::Never => Err("disabled (nogds=True)"),
+        GdsMode::Auto if !cufile::nvidia_fs_loaded() => Err("the nvidia-fs driver is not loaded"),
+        _ => cufile::shared(),
     }
 }
 

@@ -1,4 +1,27 @@
-//! What the device paths need from a device, and the two devices they run on.
+//! Device memory: everything that touches the CUDA driver, the two ways bytes reach a device,
+//! and the host-memory stand-in that tests them without a GPU.
+//!
+//! Layered like cudarc: [`driver`] and [`cufile`] hold the `unsafe` calls and the RAII types
+//! whose `Drop` releases what they own (loaded at run time: no toolkit at build time, no
+//! failure on machines without a GPU until CUDA is asked for). Above them, safe code:
+//! [`staged`] copies through a ring of pinned staging buffers, [`gds`] reads with GPUDirect
+//! Storage, and both go through the [`Device`] trait defined here.
+//!
+//! ```no_run
+//! use fastsafetensors::device::driver::{Context, PinnedBuffer, Stream};
+//! let ctx = Context::primary(0)?;            // torch's context on device 0
+//! let stream = Stream::new(&ctx)?;
+//! let mut staging = PinnedBuffer::new(&ctx, 1 << 20)?;
+//! staging.as_mut_slice()[0] = 42;
+//! # let device_address = 0;
+//! stream.copy_to_device(&staging, 1, device_address)?;
+//! stream.synchronize()?;
+//! # Ok::<(), fastsafetensors::Error>(())
+//! ```
+//!
+//! Facts that shape this module: without libcuda, cudarc's calls panic, so presence is
+//! checked first; `cuFileDriverOpen` hangs forever on a machine with no GPU, so cuFile is
+//! opened only after a context exists on a real device.
 //!
 //! [`Device`] is small on purpose: a way to make the device current on a thread (for cuFile),
 //! staging memory the disk can DMA into, an asynchronous copy out of it, ways to wait for
@@ -10,6 +33,11 @@
 //! not order its copies after the destination's previous work copies the wrong bytes and
 //! fails its tests.
 
+pub mod cufile;
+pub mod driver;
+pub mod gds;
+pub mod staged;
+
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,8 +45,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use memmap2::MmapMut;
 
-use crate::cuda::driver::{Context, Event, PinnedBuffer, RawEvent, Stream};
+use crate::device::driver::{Context, Event, PinnedBuffer, RawEvent, Stream};
 use crate::error::{Error, Result};
+use crate::plan;
+use crate::source::io_pool;
 
 pub trait Device: Sync {
     /// A staging buffer and whatever tracks the copy out of it.
@@ -45,6 +75,21 @@ pub trait Device: Sync {
     fn wait_ready(&self) -> Result<()>;
     /// Blocks until every copy queued has completed.
     fn synchronize(&self) -> Result<()>;
+}
+
+/// How the staged path reads and copies.
+#[derive(Debug, Clone, Copy)]
+pub struct StagingOptions {
+    /// Bytes per read and per copy.
+    pub block: u64,
+    /// Most staging buffers in use at once by one load.
+    pub slots: usize,
+}
+
+impl Default for StagingOptions {
+    fn default() -> Self {
+        StagingOptions { block: plan::DEFAULT_BLOCK, slots: 2 * io_pool().current_num_threads() }
+    }
 }
 
 /// Idle staging buffers, kept for the next load: pinned allocation is slow and synchronizes.
@@ -123,11 +168,7 @@ impl CudaDevice {
 /// The pinned staging pool of CUDA device `ordinal`.
 fn cuda_pool(ordinal: usize) -> Arc<StagingPool<CudaStaging>> {
     let mut pools = cuda_pools().lock().unwrap();
-    Arc::clone(
-        pools
-            .entry(ordinal)
-            .or_insert_with(|| Arc::new(StagingPool::new(crate::staged::StagingOptions::default().slots))),
-    )
+    Arc::clone(pools.entry(ordinal).or_insert_with(|| Arc::new(StagingPool::new(StagingOptions::default().slots))))
 }
 
 fn cuda_pools() -> &'static Mutex<HashMap<usize, Arc<StagingPool<CudaStaging>>>> {

@@ -8,9 +8,9 @@
 //! ```no_run
 //! # use std::sync::Arc;
 //! # use fastsafetensors::device::HostMemoryDevice;
-//! # use fastsafetensors::loader::plan_files;
-//! # use fastsafetensors::device_stream::{Copier, DeviceStream};
-//! # use fastsafetensors::stream::StreamOptions;
+//! # use fastsafetensors::load::plan_files;
+//! # use fastsafetensors::load::device_stream::{Copier, DeviceStream};
+//! # use fastsafetensors::load::stream::StreamOptions;
 //! let stream = DeviceStream::open(plan_files(&["model.safetensors".into()])?, &StreamOptions::with_budget(64 << 20))?;
 //! let device = Arc::new(HostMemoryDevice::new(1 << 30));
 //! let copier = Copier::start(stream, move |_ready| Ok(Arc::clone(&device)))?;
@@ -37,13 +37,14 @@ use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 
+use crate::device::staged::{self, StagedFile};
 use crate::device::Device;
+use crate::device::StagingOptions;
 use crate::error::{Error, Result};
-use crate::io::{HostRead, ReadPath, SourceFile};
-use crate::loader::{self, DeviceCopy, Planned};
+use crate::load::stream::{self, StreamOptions};
+use crate::load::{self, DeviceCopy, Planned};
 use crate::plan::{Extent, Placement, IO_ALIGN};
-use crate::staged::{self, StagedFile, StagingOptions};
-use crate::stream::{self, StreamOptions};
+use crate::source::{HostRead, ReadPath, SourceFile};
 
 /// The groups of a streaming load to a device. Nothing is read until a group is copied.
 pub struct DeviceStream {
@@ -59,7 +60,7 @@ impl DeviceStream {
     /// Plans `planned` (its selection) into groups of at most `options.group` bytes.
     pub fn open(planned: Planned, options: &StreamOptions) -> Result<DeviceStream> {
         let (sources, groups) = stream::plan_groups(planned, options);
-        let direct = loader::choose_reads(&sources, groups.iter().map(|(e, _)| e), options.reader, false)?
+        let direct = load::choose_reads(&sources, groups.iter().map(|(e, _)| e), options.reader, false)?
             .into_iter()
             .map(|how| how == HostRead::Direct)
             .collect();

@@ -18,11 +18,11 @@ use std::sync::{Condvar, Mutex};
 
 use rayon::prelude::*;
 
-use crate::device::Device;
+use crate::device::{Device, StagingOptions};
 use crate::error::Result;
-use crate::io::direct::BlockReader;
-use crate::io::{io_pool, ReadPath, SourceFile};
 use crate::plan::{self, IO_ALIGN};
+use crate::source::direct::BlockReader;
+use crate::source::{io_pool, ReadPath, SourceFile};
 
 /// An aligned range of a file (the whole file, or one extent of it) and where its first byte
 /// goes in device memory (`len` bytes there).
@@ -41,20 +41,6 @@ impl<'a> StagedFile<'a> {
     /// All of `src`, its byte 0 at `dst` (`align_up(len, 4096)` bytes there).
     pub fn whole(src: &'a SourceFile, dst: u64, direct: bool) -> StagedFile<'a> {
         StagedFile { src, dst, direct, start: 0, len: plan::align_up(src.len, IO_ALIGN) }
-    }
-}
-
-#[derive(Debug, Clone, Copy)]
-pub struct StagingOptions {
-    /// Bytes per read and per copy.
-    pub block: u64,
-    /// Most staging buffers in use at once by one load.
-    pub slots: usize,
-}
-
-impl Default for StagingOptions {
-    fn default() -> Self {
-        StagingOptions { block: plan::DEFAULT_BLOCK, slots: 2 * io_pool().current_num_threads() }
     }
 }
 
