@@ -20,7 +20,7 @@ use crate::load::stream::{self, Group, StreamOptions};
 use crate::load::{self, DeviceCopy, DeviceOptions, DeviceTarget, LoadOptions, Loaded, Planned};
 use crate::plan::select::{MatchMode, RowRange, Selection, TensorFilter};
 use crate::plan::{self, Placement};
-use crate::source::{budget, HostBuffer, ReaderKind, SourceFile};
+use crate::source::{budget, HostBuffer, LocalFile, ReaderKind};
 
 #[cxx::bridge(namespace = "fastsafetensors::rs")]
 mod ffi {
@@ -560,7 +560,7 @@ fn cuda_device_count() -> Result<usize> {
 }
 
 fn resident_fraction(path: &str) -> Result<f64> {
-    guard(|| SourceFile::open(std::path::Path::new(path))?.resident_fraction())
+    guard(|| LocalFile::open(Path::new(path))?.resident_fraction())
 }
 
 fn checkpoint(path: &str) -> Result<CheckpointSpec> {

@@ -93,7 +93,7 @@ fn staged_copies_are_bit_exact_for_every_block_and_ring_size() {
             let copies = planned.copy_to_device(&device, NO_CUFILE, &targets, &staged(block, slots, reader)).unwrap();
             assert_quiet(&device);
             assert_files_at(&device.memory(), &targets, &copies, &files);
-            let blocks: u64 = planned.sources.iter().map(|s| s.len.div_ceil(block)).sum();
+            let blocks: u64 = planned.sources.iter().map(|s| s.len().div_ceil(block)).sum();
             assert_eq!(device.copies() as u64, blocks, "one copy per block");
             assert!(
                 device.staging_allocated() <= slots,
@@ -188,7 +188,7 @@ fn a_failed_wait_still_drains_every_slot() {
     let (paths, _) = checkpoint(&dir);
     let planned = plan_files(&paths).unwrap();
     let (targets, len) = layout(&planned, 0);
-    let blocks = planned.sources.iter().map(|s| s.len.div_ceil(4096) as usize).sum();
+    let blocks = planned.sources.iter().map(|s| s.len().div_ceil(4096) as usize).sum();
     let device = HostMemoryDevice::new(len).failing_wait_after(blocks);
     let err = planned.copy_to_device(&device, NO_CUFILE, &targets, &staged(4096, 4, ReaderKind::Mmap)).unwrap_err();
     assert!(err.to_string().contains("(injected)"), "{err}");
@@ -429,7 +429,7 @@ fn gds_reads_are_bit_exact_and_registrations_balanced() {
     // Every block read once, at its own offset.
     let mut reads: Vec<_> = calls.iter().filter(|c| matches!(c, Call::Read { .. })).collect();
     reads.dedup();
-    let blocks: u64 = planned.sources.iter().map(|s| s.len.div_ceil(8192)).sum();
+    let blocks: u64 = planned.sources.iter().map(|s| s.len().div_ceil(8192)).sum();
     assert_eq!(reads.len() as u64, blocks);
 }
 
@@ -557,7 +557,7 @@ fn a_gds_read_failure_sends_only_unfinished_files_to_the_staged_path() {
     let (targets, len) = layout(&planned, 0);
     let device = HostMemoryDevice::new(len);
     // The last block of the second file fails.
-    let last = (planned.sources[1].len - 1) / 8192 * 8192;
+    let last = (planned.sources[1].len() - 1) / 8192 * 8192;
     let cufile = FakeCuFile { fail_read_at: Some(last), ..FakeCuFile::new(&device) };
     let copies = planned.copy_to_device(&device, Ok(&cufile), &targets, &with_gds(GdsMode::Auto, 8192, 16384)).unwrap();
     assert_ne!(copies[1].path, ReadPath::Gds);

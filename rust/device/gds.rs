@@ -28,7 +28,7 @@ use rayon::prelude::*;
 use crate::device::cufile::{self, CuFileApi, CuFileLibrary, FileHandle};
 use crate::device::Device;
 use crate::plan::{self, ReadBlock, IO_ALIGN};
-use crate::source::{io_pool, SourceFile};
+use crate::source::{io_pool, LocalFile, Source};
 
 /// Whether to use GPUDirect Storage (the `nogds` argument of fastsafetensors).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -78,9 +78,10 @@ impl Default for GdsOptions {
 }
 
 /// One file and where its byte 0 goes in device memory (`align_up(len, 4096)` bytes there,
-/// starting 4 KiB aligned).
+/// starting 4 KiB aligned). cuFile reads through a file descriptor: only a local file can be
+/// read this way.
 pub struct GdsFile<'a> {
-    pub src: &'a SourceFile,
+    pub file: &'a LocalFile,
     pub dst: u64,
 }
 
@@ -112,7 +113,7 @@ fn read_all<D: Device, A: CuFileApi>(device: &D, api: &A, files: &[GdsFile], opt
     let chunk_len = plan::align_up(options.register_chunk.max(block), block);
     let reads = Reads::new(files, block, chunk_len);
 
-    let opened: Vec<_> = files.iter().map(|f| Opened::open(api, f.src)).collect();
+    let opened: Vec<_> = files.iter().map(|f| Opened::open(api, f.file)).collect();
     for (i, o) in opened.iter().enumerate() {
         if let Err(reason) = o {
             reads.fail(i, reason.clone());
@@ -139,11 +140,11 @@ struct Opened<'a, A: CuFileApi> {
 }
 
 impl<'a, A: CuFileApi> Opened<'a, A> {
-    fn open(api: &'a A, src: &SourceFile) -> Result<Opened<'a, A>, String> {
+    fn open(api: &'a A, src: &LocalFile) -> Result<Opened<'a, A>, String> {
         let file = OpenOptions::new()
             .read(true)
             .custom_flags(libc::O_DIRECT)
-            .open(&src.path)
+            .open(src.path())
             .map_err(|e| format!("open with O_DIRECT failed: {e}"))?;
         let handle = api.register_handle(file.as_raw_fd())?;
         Ok(Opened { api, handle, _file: file })
@@ -197,7 +198,7 @@ impl Reads {
         let mut chunks: Vec<Chunk> = Vec::new();
         let mut remaining = Vec::new();
         for (file, f) in files.iter().enumerate() {
-            let blocks = plan::read_blocks(f.src.len, IO_ALIGN, block);
+            let blocks = plan::read_blocks(f.file.len(), IO_ALIGN, block);
             remaining.push(AtomicUsize::new(blocks.len()));
             for b in blocks {
                 let start = b.offset / chunk_len * chunk_len;

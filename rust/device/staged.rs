@@ -22,25 +22,23 @@ use crate::device::{Device, StagingOptions};
 use crate::error::Result;
 use crate::plan::{self, IO_ALIGN};
 use crate::source::direct::BlockReader;
-use crate::source::{io_pool, ReadPath, SourceFile};
+use crate::source::{io_pool, ReadPath};
 
-/// An aligned range of a file (the whole file, or one extent of it) and where its first byte
-/// goes in device memory (`len` bytes there).
+/// An aligned range of a source (all of it, or one extent) read by `reader`, and where its
+/// first byte goes in device memory (`len` bytes there).
 pub struct StagedFile<'a> {
-    pub src: &'a SourceFile,
+    pub reader: &'a BlockReader,
     pub dst: u64,
-    /// Read with O_DIRECT (cold file) rather than through the page cache (warm file).
-    pub direct: bool,
-    /// File offset of the range: a multiple of 4096.
+    /// Source offset of the range: a multiple of 4096.
     pub start: u64,
     /// Bytes of the range: a multiple of 4096.
     pub len: u64,
 }
 
 impl<'a> StagedFile<'a> {
-    /// All of `src`, its byte 0 at `dst` (`align_up(len, 4096)` bytes there).
-    pub fn whole(src: &'a SourceFile, dst: u64, direct: bool) -> StagedFile<'a> {
-        StagedFile { src, dst, direct, start: 0, len: plan::align_up(src.len, IO_ALIGN) }
+    /// All of the reader's source, its byte 0 at `dst` (`align_up(len, 4096)` bytes there).
+    pub fn whole(reader: &'a BlockReader, dst: u64) -> StagedFile<'a> {
+        StagedFile { reader, dst, start: 0, len: plan::align_up(reader.source().len(), IO_ALIGN) }
     }
 }
 
@@ -49,16 +47,17 @@ impl<'a> StagedFile<'a> {
 /// started has completed, whether it succeeded or not.
 pub fn copy_files<D: Device>(device: &D, files: &[StagedFile], options: &StagingOptions) -> Result<Vec<ReadPath>> {
     let block = plan::io_block(options.block);
-    let readers = files.iter().map(|f| BlockReader::open(f.src, f.direct)).collect::<Result<Vec<_>>>()?;
     let jobs: Vec<_> = files
         .iter()
         .enumerate()
         .flat_map(|(i, f)| {
-            plan::extent_blocks(f.start, f.len, f.src.len, IO_ALIGN, block).into_iter().map(move |b| (i, b))
+            plan::extent_blocks(f.start, f.len, f.reader.source().len(), IO_ALIGN, block)
+                .into_iter()
+                .map(move |b| (i, b))
         })
         .collect();
     if jobs.is_empty() {
-        return Ok(readers.iter().map(BlockReader::path).collect());
+        return Ok(files.iter().map(|f| f.reader.path()).collect());
     }
     device.order_after_ready()?;
     let ring = Ring::new(device, options.slots.clamp(1, jobs.len()), block as usize);
@@ -66,14 +65,14 @@ pub fn copy_files<D: Device>(device: &D, files: &[StagedFile], options: &Staging
         jobs.par_iter().try_for_each(|&(i, b)| {
             let mut slot = ring.take()?;
             device.wait(slot.staging())?;
-            readers[i].read(&b, device.bytes(slot.staging()))?;
+            files[i].reader.read(&b, device.bytes(slot.staging()))?;
             device.copy_async(slot.staging(), b.expected as usize, files[i].dst + (b.offset - files[i].start))
         })
     });
     let drained = ring.drain(copied.is_err());
     copied?;
     drained?;
-    Ok(readers.iter().map(BlockReader::path).collect())
+    Ok(files.iter().map(|f| f.reader.path()).collect())
 }
 
 /// The staging buffers of one load: those not in use, first in first out, and how many more

@@ -34,6 +34,7 @@ use serde::Deserialize;
 
 use crate::error::{Error, Problem, Result};
 use crate::plan::Placement;
+use crate::source::Source;
 
 /// How the name of a checkpoint index ends in a directory.
 pub const INDEX_SUFFIX: &str = ".safetensors.index.json";
@@ -225,7 +226,7 @@ impl Checkpoint {
     /// file that cannot be read is left to the caller to report).
     pub fn survey(&self) -> Vec<Problem> {
         let headers: Vec<_> =
-            self.files.iter().map(|f| crate::source::SourceFile::open(f).and_then(|s| s.header()).ok()).collect();
+            self.files.iter().map(|f| crate::source::LocalFile::open(f).and_then(|s| s.header()).ok()).collect();
         let names: Vec<Option<Vec<&str>>> =
             headers.iter().map(|h| h.as_ref().map(|h| h.tensors.iter().map(|t| t.name.as_str()).collect())).collect();
         let mut problems = self.missing_files();

@@ -41,18 +41,18 @@ use crate::device::staged::{self, StagedFile};
 use crate::device::Device;
 use crate::device::StagingOptions;
 use crate::error::{Error, Result};
-use crate::load::stream::{self, StreamOptions};
+use crate::load::stream::{self, PlannedGroup, StreamOptions};
 use crate::load::{self, DeviceCopy, Planned};
-use crate::plan::{Extent, Placement, IO_ALIGN};
-use crate::source::{HostRead, ReadPath, SourceFile};
+use crate::plan::{Placement, IO_ALIGN};
+use crate::source::direct::BlockReader;
+use crate::source::{HostRead, ReadPath};
 
 /// The groups of a streaming load to a device. Nothing is read until a group is copied.
 pub struct DeviceStream {
-    sources: Vec<SourceFile>,
+    /// Per file: its reader, with O_DIRECT where it is not resident.
+    readers: Vec<BlockReader>,
     budget: u64,
-    groups: Vec<(Extent, Vec<Placement>)>,
-    /// Per file: read with O_DIRECT (not resident) rather than through the page cache.
-    direct: Vec<bool>,
+    groups: Vec<PlannedGroup>,
     staging: StagingOptions,
 }
 
@@ -60,12 +60,14 @@ impl DeviceStream {
     /// Plans `planned` (its selection) into groups of at most `options.group` bytes.
     pub fn open(planned: Planned, options: &StreamOptions) -> Result<DeviceStream> {
         let (sources, groups) = stream::plan_groups(planned, options);
-        let direct = load::choose_reads(&sources, groups.iter().map(|(e, _)| e), options.reader, false)?
+        let how = load::choose_reads(&sources, groups.iter().map(|(e, _)| e), options.reader, false)?;
+        let readers = sources
             .into_iter()
-            .map(|how| how == HostRead::Direct)
-            .collect();
+            .zip(how)
+            .map(|(src, how)| BlockReader::open(src, how == HostRead::Direct))
+            .collect::<Result<Vec<_>>>()?;
         let staging = StagingOptions { block: options.block, ..StagingOptions::default() };
-        Ok(DeviceStream { sources, budget: options.budget, groups, direct, staging })
+        Ok(DeviceStream { readers, budget: options.budget, groups, staging })
     }
 
     pub fn group_count(&self) -> usize {
@@ -97,7 +99,7 @@ impl DeviceStream {
     /// Index of the file group `k` is read from, and its path.
     pub fn file(&self, k: usize) -> (usize, &std::path::Path) {
         let file = self.groups[k].0.file;
-        (file, &self.sources[file].path)
+        (file, self.readers[file].source().path())
     }
 
     pub fn tensor_count(&self) -> usize {
@@ -115,12 +117,12 @@ impl DeviceStream {
         let Some((extent, _)) = self.groups.get(k) else {
             return Err(Error::InvalidArgument(format!("no group {k} (of {})", self.groups.len())));
         };
-        let src = &self.sources[extent.file];
+        let reader = &self.readers[extent.file];
         let dst = base.next_multiple_of(IO_ALIGN);
-        let range = StagedFile { src, dst, direct: self.direct[extent.file], start: extent.start, len: extent.len };
+        let range = StagedFile { reader, dst, start: extent.start, len: extent.len };
         let path =
             staged::copy_files(device, std::slice::from_ref(&range), &self.staging)?.pop().unwrap_or(ReadPath::NotRead);
-        src.check_unchanged()?;
+        reader.source().check_unchanged()?;
         Ok(DeviceCopy { path, offset: dst - base })
     }
 }

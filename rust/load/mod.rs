@@ -32,7 +32,7 @@ use crate::plan::select::Selection;
 use crate::plan::{self, Extent, ExtentPolicy, Placement, IO_ALIGN};
 use crate::settings;
 use crate::source::direct::{self, BlockReader};
-use crate::source::{self, budget, HostBuffer, HostRead, ReadPath, ReaderKind, SourceFile};
+use crate::source::{self, budget, HostBuffer, HostRead, LocalFile, ReadPath, ReaderKind, Source};
 
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
@@ -51,7 +51,7 @@ impl Default for LoadOptions {
 
 /// Files whose headers are validated and whose tensors are placed; nothing read yet.
 pub struct Planned {
-    pub sources: Vec<SourceFile>,
+    pub sources: Vec<Arc<dyn Source>>,
     /// The tensors to load, in file then offset order.
     pub tensors: Vec<Placement>,
 }
@@ -59,15 +59,22 @@ pub struct Planned {
 /// Opens `paths`, validates every header and the names across files. Nothing is read until
 /// every header is known to be good.
 pub fn plan_files(paths: &[PathBuf]) -> Result<Planned> {
-    let sources = paths.iter().map(|p| SourceFile::open(p)).collect::<Result<Vec<_>>>()?;
-    let headers = sources.iter().map(SourceFile::header).collect::<Result<Vec<Header>>>()?;
-    let tensors = plan::place(paths, &headers)?;
+    let sources =
+        paths.iter().map(|p| Ok(Arc::new(LocalFile::open(p)?) as Arc<dyn Source>)).collect::<Result<Vec<_>>>()?;
+    plan_sources(sources)
+}
+
+/// Validates every source's header and the names across them.
+pub fn plan_sources(sources: Vec<Arc<dyn Source>>) -> Result<Planned> {
+    let headers = sources.iter().map(|s| s.header()).collect::<Result<Vec<Header>>>()?;
+    let paths: Vec<PathBuf> = sources.iter().map(|s| s.path().to_owned()).collect();
+    let tensors = plan::place(&paths, &headers)?;
     Ok(Planned { sources, tensors })
 }
 
 /// Reads and validates one file's header without touching its data.
 pub fn read_header(path: &Path) -> Result<Header> {
-    SourceFile::open(path)?.header()
+    LocalFile::open(path)?.header()
 }
 
 /// The selected tensors of a set of files, in host memory: one reference-counted buffer per
@@ -122,7 +129,7 @@ impl Planned {
         if let Some(filter) = &selection.filter {
             let missing = filter.missing(self.tensors.iter().map(|t| t.name.as_str()));
             if !missing.is_empty() {
-                let files = self.sources.iter().map(|s| s.path.clone()).collect();
+                let files = self.paths();
                 return Err(Error::MissingTensors { names: missing, files });
             }
             self.tensors.retain(|t| filter.matches(&t.name));
@@ -133,13 +140,13 @@ impl Planned {
             let mut cut = Vec::with_capacity(selection.rows.len());
             for r in &selection.rows {
                 let Some(&i) = index.get(r.name.as_str()) else {
-                    let files = self.sources.iter().map(|s| s.path.clone()).collect();
+                    let files = self.paths();
                     return Err(Error::MissingTensors { names: vec![r.name.clone()], files });
                 };
                 let t = &self.tensors[i];
-                let rows = t
-                    .rows(r.start, r.stop)
-                    .map_err(|why| Error::InvalidArgument(format!("{}: {why}", self.sources[t.file].path.display())))?;
+                let rows = t.rows(r.start, r.stop).map_err(|why| {
+                    Error::InvalidArgument(format!("{}: {why}", self.sources[t.file].path().display()))
+                })?;
                 cut.push((i, rows));
             }
             for (i, rows) in cut {
@@ -149,9 +156,14 @@ impl Planned {
         Ok(self)
     }
 
+    /// The sources' paths, in file order.
+    pub fn paths(&self) -> Vec<PathBuf> {
+        self.sources.iter().map(|s| s.path().to_owned()).collect()
+    }
+
     /// File lengths, in file order.
     pub fn file_lens(&self) -> Vec<u64> {
-        self.sources.iter().map(|s| s.len).collect()
+        self.sources.iter().map(|s| s.len()).collect()
     }
 
     /// Reads the selected tensors into host memory once it is known that the memory they
@@ -167,14 +179,14 @@ impl Planned {
             .sources
             .iter()
             .zip(&how)
-            .map(|(src, &h)| (h == HostRead::Direct).then(|| BlockReader::open(src, true)).transpose())
+            .map(|(src, &h)| (h == HostRead::Direct).then(|| BlockReader::open(Arc::clone(src), true)).transpose())
             .collect::<Result<Vec<_>>>()?;
         let read = |e: &Extent| -> Result<Arc<HostBuffer>> {
             let buffer = match (&readers[e.file], how[e.file]) {
                 (Some(reader), _) => direct::read_extent(reader, e, options.block)?,
                 (None, h) => {
                     let path = if h == HostRead::MapOverLimit { ReadPath::MmapFallback } else { ReadPath::Mmap };
-                    self.sources[e.file].map_extent(e, path)?
+                    source::map_extent(&*self.sources[e.file], e, path)?
                 }
             };
             Ok(Arc::new(buffer))
@@ -198,7 +210,7 @@ impl Planned {
 
     /// Bytes of memory file `i` needs: the file rounded up to whole aligned reads.
     pub fn device_len(&self, i: usize) -> u64 {
-        plan::align_up(self.sources[i].len, IO_ALIGN)
+        plan::align_up(self.sources[i].len(), IO_ALIGN)
     }
 
     /// Bytes of device memory to allocate for file `i`: `device_len(i)` and room to start it
@@ -226,10 +238,10 @@ impl Planned {
         let dsts: Vec<u64> = targets.iter().map(|t| t.base.next_multiple_of(IO_ALIGN)).collect();
         let mut paths: Vec<Option<ReadPath>> = vec![None; targets.len()];
         if options.gds != GdsMode::Never && !targets.is_empty() {
-            let first = &self.sources[targets[0].file].path;
+            let first = self.sources[targets[0].file].path();
             match cufile {
                 Err(reason) if options.gds == GdsMode::Require => {
-                    return Err(Error::GdsRequired { path: first.clone(), reason: reason.to_owned() })
+                    return Err(Error::GdsRequired { path: first.to_owned(), reason: reason.to_owned() })
                 }
                 Err(reason) => gds_fallback_notice(reason),
                 // Compatibility mode reads through host memory like the staged path, but one
@@ -239,14 +251,20 @@ impl Planned {
                 }
                 Ok(api) => {
                     let how = if api.compat_mode() { ReadPath::GdsCompat } else { ReadPath::Gds };
-                    let files: Vec<_> = targets
+                    // cuFile reads through a file descriptor: other sources are staged.
+                    let (gds_targets, files): (Vec<usize>, Vec<GdsFile>) = targets
                         .iter()
                         .zip(&dsts)
-                        .map(|(t, &dst)| GdsFile { src: &self.sources[t.file], dst })
-                        .collect();
+                        .enumerate()
+                        .filter_map(|(k, (t, &dst))| {
+                            let src = &self.sources[t.file];
+                            let file = src.local().filter(|_| src.capabilities().gds)?;
+                            Some((k, GdsFile { file, dst }))
+                        })
+                        .unzip();
                     let outcomes = gds::read_files(device, api, &files, &options.gds_io);
                     let failure = files.iter().zip(&outcomes).find_map(|(f, o)| match o {
-                        GdsOutcome::Failed(reason) => Some((f.src.path.clone(), reason.clone())),
+                        GdsOutcome::Failed(reason) => Some((f.file.path().to_owned(), reason.clone())),
                         _ => None,
                     });
                     match failure {
@@ -256,29 +274,26 @@ impl Planned {
                         Some((_, reason)) => gds_fallback_notice(&reason),
                         None => {}
                     }
-                    for (path, outcome) in paths.iter_mut().zip(&outcomes) {
+                    for (&k, outcome) in gds_targets.iter().zip(&outcomes) {
                         if *outcome == GdsOutcome::Read {
-                            *path = Some(how);
+                            paths[k] = Some(how);
                         }
                     }
                 }
             }
         }
-        let staged_files = targets
+        let staged: Vec<(BlockReader, u64)> = targets
             .iter()
             .zip(&dsts)
             .zip(&paths)
             .filter(|(_, done)| done.is_none())
             .map(|((t, &dst), _)| {
                 let src = &self.sources[t.file];
-                let direct = match options.reader {
-                    ReaderKind::Direct => true,
-                    ReaderKind::Mmap => false,
-                    ReaderKind::Auto => !src.is_resident()?,
-                };
-                Ok(StagedFile::whole(src, dst, direct))
+                let direct = source::choose(&**src, options.reader)? == HostRead::Direct;
+                Ok((BlockReader::open(Arc::clone(src), direct)?, dst))
             })
             .collect::<Result<Vec<_>>>()?;
+        let staged_files: Vec<_> = staged.iter().map(|(reader, dst)| StagedFile::whole(reader, *dst)).collect();
         let mut staged_paths = staged::copy_files(device, &staged_files, &options.staging)?.into_iter();
         targets.iter().try_for_each(|t| self.sources[t.file].check_unchanged())?;
         Ok(paths
@@ -351,8 +366,8 @@ pub fn release_staging_buffers() -> usize {
 /// How each file is brought into host memory to read `extents` of it: a file with nothing to
 /// read is not looked at. When the caller keeps everything it reads (`keeps_all`), direct
 /// reads that would not fit in host memory are made mappings ([`map_what_does_not_fit`]).
-pub(crate) fn choose_reads<'a, S: std::borrow::Borrow<SourceFile>>(
-    sources: &[S],
+pub(crate) fn choose_reads<'a>(
+    sources: &[Arc<dyn Source>],
     extents: impl IntoIterator<Item = &'a Extent>,
     reader: ReaderKind,
     keeps_all: bool,
@@ -363,7 +378,7 @@ pub(crate) fn choose_reads<'a, S: std::borrow::Borrow<SourceFile>>(
     }
     let mut how = Vec::with_capacity(sources.len());
     for (src, &bytes) in sources.iter().zip(&wanted) {
-        how.push(if bytes == 0 { HostRead::Map } else { src.borrow().choose(reader)? });
+        how.push(if bytes == 0 { HostRead::Map } else { source::choose(&**src, reader)? });
     }
     if keeps_all {
         map_what_does_not_fit(&mut how, &wanted, reader)?;

@@ -43,7 +43,7 @@ use memmap2::MmapMut;
 
 use crate::load::{self, Planned};
 use crate::plan::{self, Extent, ExtentPolicy, Placement, IO_ALIGN};
-use crate::source::{io_pool, HostBuffer, HostRead, ReadPath, ReaderKind, SourceFile};
+use crate::source::{self, io_pool, HostBuffer, HostRead, ReadPath, ReaderKind, Source};
 
 /// Largest group when the budget allows it: large enough that a group's reads keep several
 /// I/O threads busy, small beside any budget worth setting.
@@ -75,12 +75,12 @@ impl StreamOptions {
     }
 }
 
+/// A group as planned: its extent and its tensors.
+pub(crate) type PlannedGroup = (Extent, Vec<Placement>);
+
 /// The selected tensors cut into the groups a stream hands out: extents of at most
 /// `options.group` bytes (a larger tensor alone), each with its tensors, in read order.
-pub(crate) fn plan_groups(
-    planned: Planned,
-    options: &StreamOptions,
-) -> (Vec<SourceFile>, Vec<(Extent, Vec<Placement>)>) {
+pub(crate) fn plan_groups(planned: Planned, options: &StreamOptions) -> (Vec<Arc<dyn Source>>, Vec<PlannedGroup>) {
     let policy = ExtentPolicy { align: IO_ALIGN, max_gap: options.max_gap, max_len: options.group };
     let extents = plan::plan_extents(&planned.tensors, &planned.file_lens(), &policy);
     let mut tensors = planned.tensors.into_iter();
@@ -125,8 +125,8 @@ impl Group {
 /// A load that hands out its tensors group by group. See the module documentation.
 pub struct TensorStream {
     shared: Arc<Shared>,
-    sources: Vec<Arc<SourceFile>>,
-    readers: Vec<Option<Arc<Reader>>>,
+    sources: Vec<Arc<dyn Source>>,
+    readers: Vec<Option<Arc<BlockReader>>>,
     pending: Option<Receiver<Result<Pending>>>,
     scheduler: Option<JoinHandle<()>>,
     next: usize,
@@ -136,14 +136,11 @@ pub struct TensorStream {
     finished: bool,
 }
 
-type Reader = BlockReader<Arc<SourceFile>>;
-
 impl TensorStream {
     /// Starts reading the tensors of `planned` (its selection) in the background.
     pub fn open(planned: Planned, options: StreamOptions) -> Result<TensorStream> {
         let (tensors, bytes) = (planned.tensors.len(), planned.tensors.iter().map(|t| t.nbytes).sum());
         let (sources, groups) = plan_groups(planned, &options);
-        let sources: Vec<Arc<SourceFile>> = sources.into_iter().map(Arc::new).collect();
         // Without a budget the caller keeps everything, as a load that returns it all does.
         let keeps_all = options.budget == u64::MAX;
         let how = load::choose_reads(&sources, groups.iter().map(|(e, _)| e), options.reader, keeps_all)?;
@@ -171,7 +168,7 @@ impl TensorStream {
         let groups = work.groups.len();
         let scheduler =
             std::thread::Builder::new().name("fastsafetensors-stream".into()).spawn(move || work.run(tx)).map_err(
-                |e| Error::io(sources.first().map(|s| s.path.clone()).unwrap_or_default(), "start a thread", e),
+                |e| Error::io(sources.first().map(|s| s.path().to_owned()).unwrap_or_default(), "start a thread", e),
             )?;
         Ok(TensorStream {
             shared,
@@ -189,7 +186,7 @@ impl TensorStream {
 
     /// The path of file `index`.
     pub fn path(&self, index: usize) -> &std::path::Path {
-        &self.sources[index].path
+        self.sources[index].path()
     }
 
     /// Tensors the stream hands out in all.
@@ -401,7 +398,7 @@ struct Pending {
 }
 
 impl Pending {
-    fn wait(mut self, readers: &[Option<Arc<Reader>>]) -> Result<Group> {
+    fn wait(mut self, readers: &[Option<Arc<BlockReader>>]) -> Result<Group> {
         if let Some(reads) = self.reads {
             reads.wait()?;
             self.group.read_path = readers[self.group.file].as_ref().map_or(ReadPath::Mmap, |r| r.path());
@@ -463,11 +460,11 @@ unsafe impl Send for FillTarget {}
 /// The scheduler's work: the groups in order, and how to read each file.
 struct Schedule {
     shared: Arc<Shared>,
-    sources: Vec<Arc<SourceFile>>,
-    readers: Vec<Option<Arc<Reader>>>,
+    sources: Vec<Arc<dyn Source>>,
+    readers: Vec<Option<Arc<BlockReader>>>,
     /// How each file without a reader is mapped: as it is in the page cache, or over the limit.
     mapped: Vec<ReadPath>,
-    groups: Vec<(Extent, Vec<Placement>)>,
+    groups: Vec<PlannedGroup>,
     options: StreamOptions,
 }
 
@@ -508,13 +505,13 @@ impl Schedule {
         };
         let Some(reader) = &self.readers[extent.file] else {
             let path = self.mapped[extent.file];
-            return Ok(Pending { group: group(src.map_extent(&extent, path)?, path), reads: None });
+            return Ok(Pending { group: group(source::map_extent(&**src, &extent, path)?, path), reads: None });
         };
         let block = plan::io_block(self.options.block);
-        let blocks = extent.blocks(src.len, IO_ALIGN, block);
+        let blocks = extent.blocks(src.len(), IO_ALIGN, block);
         let mut map = match reused {
             Some(map) => map,
-            None => direct::alloc_for_reads(buffer_len, &src.path)?,
+            None => direct::alloc_for_reads(buffer_len, src.path())?,
         };
         let target = FillTarget(map.as_mut_ptr());
         let group = group(HostBuffer::new(map, ReadPath::Direct), ReadPath::Direct);

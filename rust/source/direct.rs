@@ -5,34 +5,23 @@
 
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::ops::Deref;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use memmap2::MmapMut;
 use rayon::prelude::*;
 
-use super::{alloc, io_pool, HostBuffer, ReadPath, SourceFile};
+use super::{alloc, io_pool, HostBuffer, LocalFile, ReadPath, Source};
 use crate::error::{Error, Result};
 use crate::plan::{self, Extent, ReadBlock, IO_ALIGN};
 
-/// Reads the whole file into fresh page-aligned memory, `block` bytes per request.
-pub fn read(src: &SourceFile, block: u64) -> Result<HostBuffer> {
-    let len = plan::align_up(src.len, IO_ALIGN);
-    let whole = Extent { file: 0, start: 0, len, expected: src.len, tensors: 0..0 };
-    read_extent(&BlockReader::open(src, true)?, &whole, block)
-}
-
-/// Reads `extent` of the reader's file into fresh page-aligned memory, `block` bytes per
+/// Reads `extent` of the reader's source into fresh page-aligned memory, `block` bytes per
 /// request, in parallel on the I/O pool.
-pub fn read_extent<S: Deref<Target = SourceFile> + Sync>(
-    reader: &BlockReader<S>,
-    extent: &Extent,
-    block: u64,
-) -> Result<HostBuffer> {
+pub fn read_extent(reader: &BlockReader, extent: &Extent, block: u64) -> Result<HostBuffer> {
     let block = plan::io_block(block);
-    let blocks = extent.blocks(reader.src.len, IO_ALIGN, block);
-    let mut map = alloc_for_reads(extent.len, &reader.src.path)?;
+    let blocks = extent.blocks(reader.src.len(), IO_ALIGN, block);
+    let mut map = alloc_for_reads(extent.len, reader.src.path())?;
     io_pool().install(|| {
         blocks.par_iter().zip(map.par_chunks_mut(block as usize)).try_for_each(|(b, dst)| reader.read(b, dst))
     })?;
@@ -48,37 +37,42 @@ pub(crate) fn alloc_for_reads(len: u64, path: &std::path::Path) -> Result<MmapMu
     alloc(len, path)
 }
 
-/// Reads blocks of one file, with `O_DIRECT` when asked and the filesystem allows it, else
-/// through the page cache. Falls back for good at the first request `O_DIRECT` refuses
-/// (tmpfs refuses the open; some network and FUSE filesystems refuse the read). `S` is how
-/// the file is held: borrowed (`&SourceFile`) or shared with background reads (`Arc`).
-pub struct BlockReader<S: Deref<Target = SourceFile>> {
-    src: S,
+/// Reads blocks of one source into page-aligned memory: with `O_DIRECT` when asked and the
+/// source is a local file whose filesystem allows it, else with the source's own reads
+/// (through the page cache for a file). Falls back for good at the first request `O_DIRECT`
+/// refuses (tmpfs refuses the open; some network and FUSE filesystems refuse the read).
+pub struct BlockReader {
+    src: Arc<dyn Source>,
     direct: Option<File>,
     fell_back: AtomicBool,
 }
 
-impl<S: Deref<Target = SourceFile>> BlockReader<S> {
-    pub fn open(src: S, direct: bool) -> Result<BlockReader<S>> {
-        let direct = if direct { open_direct(&src)? } else { None };
+impl BlockReader {
+    pub fn open(src: Arc<dyn Source>, direct: bool) -> Result<BlockReader> {
+        let direct = match src.local() {
+            Some(file) if direct && src.capabilities().direct => open_direct(file)?,
+            _ => None,
+        };
         Ok(BlockReader { src, direct, fell_back: AtomicBool::new(false) })
     }
 
-    pub fn source(&self) -> &SourceFile {
-        &self.src
+    pub fn source(&self) -> &dyn Source {
+        &*self.src
     }
 
-    /// Fills `dst` with the file's bytes at `b.offset`. `dst` is `b.len` bytes (or more),
-    /// page-aligned; bytes past the end of the file are left as they are.
+    /// Fills `dst` with the source's bytes at `b.offset`. `dst` is `b.len` bytes (or more),
+    /// page-aligned; bytes past the end of the source are left as they are.
     pub fn read(&self, b: &ReadBlock, dst: &mut [u8]) -> Result<()> {
         let dst = &mut dst[..b.len as usize];
         if let Some(file) = self.direct.as_ref().filter(|_| !self.fell_back.load(Ordering::Relaxed)) {
-            match read_exact(&self.src, file, b, dst) {
-                Err(Failure::Unsupported) => self.fell_back.store(true, Ordering::Relaxed),
-                other => return other.map_err(|f| f.into_error(&self.src)),
+            match read_direct(file, b, dst) {
+                Ok(done) => return self.check_len(b, done),
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => self.fell_back.store(true, Ordering::Relaxed),
+                Err(e) => return Err(Error::io(self.src.path(), "read", e)),
             }
         }
-        read_exact(&self.src, &self.src.file, b, dst).map_err(|f| f.into_error(&self.src))
+        let done = self.src.read_at(&mut dst[..b.expected as usize], b.offset)?;
+        self.check_len(b, done)
     }
 
     /// How the blocks were read (after the reads).
@@ -89,49 +83,39 @@ impl<S: Deref<Target = SourceFile>> BlockReader<S> {
             ReadPath::Buffered
         }
     }
+
+    /// A read that stopped short of the block's bytes met the end of the source.
+    fn check_len(&self, b: &ReadBlock, done: usize) -> Result<()> {
+        if (done as u64) < b.expected {
+            return Err(Error::Truncated {
+                path: self.src.path().to_owned(),
+                at: b.offset + done as u64,
+                expected: self.src.len(),
+            });
+        }
+        Ok(())
+    }
 }
 
 /// The file opened with `O_DIRECT`, or `None` where the filesystem does not support it.
-fn open_direct(src: &SourceFile) -> Result<Option<File>> {
-    match OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(&src.path) {
+fn open_direct(file: &LocalFile) -> Result<Option<File>> {
+    match OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(file.path()) {
         Ok(file) => Ok(Some(file)),
         Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(None),
-        Err(e) => Err(Error::io(&src.path, "open (O_DIRECT)", e)),
+        Err(e) => Err(Error::io(file.path(), "open (O_DIRECT)", e)),
     }
 }
 
-enum Failure {
-    /// The filesystem refused an O_DIRECT request: retry buffered.
-    Unsupported,
-    Failed(Error),
-}
-
-impl Failure {
-    fn into_error(self, src: &SourceFile) -> Error {
-        match self {
-            Failure::Failed(e) => e,
-            Failure::Unsupported => Error::io(&src.path, "read", io::Error::from_raw_os_error(libc::EINVAL)),
-        }
-    }
-}
-
-fn read_exact(src: &SourceFile, file: &File, b: &ReadBlock, dst: &mut [u8]) -> Result<(), Failure> {
+/// `O_DIRECT` reads into `dst` until the block's bytes are in or the file ends: the bytes read.
+fn read_direct(file: &File, b: &ReadBlock, dst: &mut [u8]) -> io::Result<usize> {
     let mut done = 0usize;
-    let expected = b.expected as usize;
-    while done < expected {
+    while (done as u64) < b.expected {
         match file.read_at(&mut dst[done..], b.offset + done as u64) {
-            Ok(0) => {
-                return Err(Failure::Failed(Error::Truncated {
-                    path: src.path.clone(),
-                    at: b.offset + done as u64,
-                    expected: src.len,
-                }))
-            }
+            Ok(0) => break,
             Ok(n) => done += n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => return Err(Failure::Unsupported),
-            Err(e) => return Err(Failure::Failed(Error::io(&src.path, "read", e))),
+            Err(e) => return Err(e),
         }
     }
-    Ok(())
+    Ok(done)
 }

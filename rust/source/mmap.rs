@@ -1,29 +1,23 @@
-//! The zero-copy reader: a private mapping of the whole file.
+//! The zero-copy reader: private mappings of a local file.
 
 use memmap2::{MmapMut, MmapOptions};
 
-use super::SourceFile;
+use super::{LocalFile, Source};
 use crate::error::{Error, Result};
 
-/// Maps the file copy-on-write: tensors may be written to without touching the file.
-/// Pages are mapped lazily, on first touch, as every mmap-based loader does: populating
-/// them up front (MADV_POPULATE_READ) measured slower than the faults it saves.
-pub fn map(src: &SourceFile) -> Result<MmapMut> {
-    map_range(src, 0, src.len)
-}
-
-/// Maps `len` bytes of the file from `offset` the same way. A range with no bytes gets a page
+/// Maps `len` bytes of the file from `offset`, copy-on-write. A range with no bytes gets a page
 /// of anonymous memory instead: an empty mapping does not exist.
-pub fn map_range(src: &SourceFile, offset: u64, len: u64) -> Result<MmapMut> {
+pub fn map_range(src: &LocalFile, offset: u64, len: u64) -> Result<MmapMut> {
     if len == 0 {
-        return super::alloc(0, &src.path);
+        return super::alloc(0, src.path());
     }
-    let len = usize::try_from(len).map_err(|_| Error::io(&src.path, "mmap", std::io::ErrorKind::OutOfMemory.into()))?;
+    let len =
+        usize::try_from(len).map_err(|_| Error::io(src.path(), "mmap", std::io::ErrorKind::OutOfMemory.into()))?;
     // SAFETY: the mapping is private, so our writes never reach the file. Another process
     // truncating the file while it is mapped would make accesses fault (SIGBUS); like every
     // mmap-based loader we rely on checkpoints not being truncated while they are loaded.
-    let map = unsafe { MmapOptions::new().offset(offset).len(len).map_copy(&src.file) }
-        .map_err(|e| Error::io(&src.path, "mmap", e))?;
+    let map = unsafe { MmapOptions::new().offset(offset).len(len).map_copy(src.file()) }
+        .map_err(|e| Error::io(src.path(), "mmap", e))?;
     Ok(map)
 }
 
@@ -33,12 +27,12 @@ pub fn map_range(src: &SourceFile, offset: u64, len: u64) -> Result<MmapMut> {
 /// `mincore(2)` over a mapping, which answers page by page. Both report page-cache residency
 /// only for files the caller may write to; for others they may answer cold, which leads to
 /// direct reads: safe.
-pub fn resident_fraction(src: &SourceFile) -> Result<f64> {
-    let pages = src.len.div_ceil(page_size() as u64).max(1);
-    if let Some(cached) = cachestat(&src.file) {
+pub fn resident_fraction(src: &LocalFile) -> Result<f64> {
+    let pages = src.len().div_ceil(page_size() as u64).max(1);
+    if let Some(cached) = cachestat(src.file()) {
         return Ok((cached as f64 / pages as f64).min(1.0));
     }
-    Ok(mincore_fraction(&map(src)?))
+    Ok(mincore_fraction(&map_range(src, 0, src.len())?))
 }
 
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]

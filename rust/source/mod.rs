@@ -1,5 +1,6 @@
-//! Reading files into host memory.
+//! Where bytes come from, and reading them into host memory.
 //!
+//! A [`Source`] is one checkpoint file wherever it lives; [`LocalFile`] is the one kind today.
 //! The unit of reading is an [`Extent`]: an aligned byte range of one file (the whole file for
 //! a plain load) that becomes one [`HostBuffer`], so a tensor's address is
 //! `buffer + (file offset - extent start)`. Two ways to fill it:
@@ -189,16 +190,119 @@ pub enum HostRead {
     Direct,
 }
 
-/// An open regular file and its size.
-pub struct SourceFile {
-    pub path: PathBuf,
-    pub file: File,
-    pub len: u64,
-    modified: Option<SystemTime>,
+/// Which version of a source a load reads: when it changes, the bytes may mix two versions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Identity {
+    /// A local file: its size and modification time.
+    File { len: u64, modified: Option<SystemTime> },
 }
 
-impl SourceFile {
-    pub fn open(path: &Path) -> Result<SourceFile> {
+impl Identity {
+    #[allow(clippy::len_without_is_empty)] // a size, not a collection
+    pub fn len(&self) -> u64 {
+        match self {
+            Identity::File { len, .. } => *len,
+        }
+    }
+}
+
+/// What a source allows beyond positioned reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capabilities {
+    /// Reads past the page cache (`O_DIRECT`).
+    pub direct: bool,
+    /// Zero-copy mappings, and asking the page cache what is resident.
+    pub mmap: bool,
+    /// GPUDirect Storage, which needs a file descriptor.
+    pub gds: bool,
+}
+
+/// Where one checkpoint file's bytes come from. The planner, the host readers and the staged
+/// device path see only this: its size, the version it was opened as, its header, and
+/// positioned reads into a buffer they give. What needs more (a mapping, `O_DIRECT`, cuFile)
+/// asks [`Source::local`] for the file behind it and falls back to `read_at` without one.
+#[allow(clippy::len_without_is_empty)] // a size, not a collection
+pub trait Source: Send + Sync {
+    /// The path errors name.
+    fn path(&self) -> &Path;
+    /// The version the source was opened as.
+    fn identity(&self) -> &Identity;
+    /// The version it is now.
+    fn current_identity(&self) -> Result<Identity>;
+    /// Fills `buf` from byte `offset` on; fewer bytes only where the source ends.
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize>;
+    fn capabilities(&self) -> Capabilities;
+    /// The local file behind the source, if there is one.
+    fn local(&self) -> Option<&LocalFile>;
+
+    /// Bytes in the source (as opened).
+    fn len(&self) -> u64 {
+        self.identity().len()
+    }
+
+    /// Fails if the source is no longer the version it was opened as: its bytes may then mix
+    /// two versions.
+    fn check_unchanged(&self) -> Result<()> {
+        let now = self.current_identity()?;
+        if now != *self.identity() {
+            return Err(Error::Changed { path: self.path().to_owned(), len: self.len(), now: now.len() });
+        }
+        Ok(())
+    }
+
+    /// Reads and validates the header (two small reads; the data is not touched).
+    fn header(&self) -> Result<Header> {
+        let path = self.path();
+        let format_err = |source| Error::Format { path: path.to_owned(), source };
+        // More than the 8-byte length, so that a file of another format can be named.
+        let mut prefix = [0u8; format::SNIFF_LEN];
+        let got = self.read_at(&mut prefix, 0)?;
+        if (got as u64) < format::LEN_PREFIX && self.len() >= format::LEN_PREFIX {
+            return Err(Error::Truncated { path: path.to_owned(), at: got as u64, expected: self.len() });
+        }
+        let len = format::header_len(&prefix[..got], self.len()).map_err(format_err)?;
+        let mut json = vec![0u8; len as usize];
+        let got = self.read_at(&mut json, format::LEN_PREFIX)?;
+        if got < json.len() {
+            return Err(Error::Truncated {
+                path: path.to_owned(),
+                at: format::LEN_PREFIX + got as u64,
+                expected: self.len(),
+            });
+        }
+        format::parse_header(&json, self.len()).map_err(format_err)
+    }
+}
+
+/// Decides how to bring `src` into host memory: the reader `kind` asks for, or for `Auto`, a
+/// mapping if the file is resident and direct reads otherwise. A source that cannot be
+/// mapped is read.
+pub fn choose(src: &dyn Source, kind: ReaderKind) -> Result<HostRead> {
+    let Some(file) = src.local().filter(|_| src.capabilities().mmap) else { return Ok(HostRead::Direct) };
+    Ok(match kind {
+        ReaderKind::Mmap => HostRead::Map,
+        ReaderKind::Direct => HostRead::Direct,
+        ReaderKind::Auto if file.is_resident()? => HostRead::Map,
+        ReaderKind::Auto => HostRead::Direct,
+    })
+}
+
+/// Maps `extent` of `src` (copy-on-write; nothing is read until touched).
+pub fn map_extent(src: &dyn Source, extent: &Extent, path: ReadPath) -> Result<HostBuffer> {
+    let file =
+        src.local().ok_or_else(|| Error::InvalidArgument(format!("{}: cannot be mapped", src.path().display())))?;
+    Ok(HostBuffer::new(mmap::map_range(file, extent.start, extent.expected)?, path))
+}
+
+/// An open regular file on a local filesystem: the source everything else builds on.
+pub struct LocalFile {
+    path: PathBuf,
+    file: File,
+    identity: Identity,
+}
+
+impl LocalFile {
+    pub fn open(path: &Path) -> Result<LocalFile> {
         // O_NONBLOCK so that a FIFO given by mistake is refused below instead of blocking
         // the open until a writer appears; it changes nothing for regular files.
         let file = OpenOptions::new()
@@ -210,42 +314,42 @@ impl SourceFile {
         if !meta.is_file() {
             return Err(Error::NotAFile { path: path.to_owned() });
         }
-        Ok(SourceFile { path: path.to_owned(), file, len: meta.len(), modified: meta.modified().ok() })
+        let identity = Identity::File { len: meta.len(), modified: meta.modified().ok() };
+        Ok(LocalFile { path: path.to_owned(), file, identity })
     }
 
-    /// Fails if the file's size or modification time differ from when it was opened: its
-    /// bytes may then mix two versions of the file.
-    pub fn check_unchanged(&self) -> Result<()> {
+    /// The open file, for the readers that need its descriptor (mappings, cuFile).
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// Whether (nearly) all of the file is in the page cache, so reading it through the
+    /// cache beats O_DIRECT.
+    pub fn is_resident(&self) -> Result<bool> {
+        Ok(self.resident_fraction()? >= RESIDENT_THRESHOLD)
+    }
+
+    /// Fraction of the file's pages in the page cache.
+    pub fn resident_fraction(&self) -> Result<f64> {
+        mmap::resident_fraction(self)
+    }
+}
+
+impl Source for LocalFile {
+    fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn identity(&self) -> &Identity {
+        &self.identity
+    }
+
+    fn current_identity(&self) -> Result<Identity> {
         let meta = self.file.metadata().map_err(|e| Error::io(&self.path, "stat", e))?;
-        if meta.len() != self.len || meta.modified().ok() != self.modified {
-            return Err(Error::Changed { path: self.path.clone(), len: self.len, now: meta.len() });
-        }
-        Ok(())
+        Ok(Identity::File { len: meta.len(), modified: meta.modified().ok() })
     }
 
-    /// Reads and validates the header (two small reads; the data is not touched).
-    pub fn header(&self) -> Result<Header> {
-        let format_err = |source| Error::Format { path: self.path.clone(), source };
-        // More than the 8-byte length, so that a file of another format can be named.
-        let mut prefix = [0u8; format::SNIFF_LEN];
-        let got = self.read_at_most(&mut prefix, 0)?;
-        if (got as u64) < format::LEN_PREFIX && self.len >= format::LEN_PREFIX {
-            return Err(Error::Truncated { path: self.path.clone(), at: got as u64, expected: self.len });
-        }
-        let len = format::header_len(&prefix[..got], self.len).map_err(format_err)?;
-        let mut json = vec![0u8; len as usize];
-        let got = self.read_at_most(&mut json, format::LEN_PREFIX)?;
-        if got < json.len() {
-            return Err(Error::Truncated {
-                path: self.path.clone(),
-                at: format::LEN_PREFIX + got as u64,
-                expected: self.len,
-            });
-        }
-        format::parse_header(&json, self.len).map_err(format_err)
-    }
-
-    fn read_at_most(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
         let mut done = 0;
         while done < buf.len() {
             match self.file.read_at(&mut buf[done..], offset + done as u64) {
@@ -258,31 +362,12 @@ impl SourceFile {
         Ok(done)
     }
 
-    /// Decides how to bring the file into host memory: the reader `kind` asks for, or for
-    /// `Auto`, a mapping if the file is resident and direct reads otherwise.
-    pub fn choose(&self, kind: ReaderKind) -> Result<HostRead> {
-        Ok(match kind {
-            ReaderKind::Mmap => HostRead::Map,
-            ReaderKind::Direct => HostRead::Direct,
-            ReaderKind::Auto if self.is_resident()? => HostRead::Map,
-            ReaderKind::Auto => HostRead::Direct,
-        })
+    fn capabilities(&self) -> Capabilities {
+        Capabilities { direct: true, mmap: true, gds: true }
     }
 
-    /// Maps `extent` of the file (copy-on-write; nothing is read until touched).
-    pub fn map_extent(&self, extent: &Extent, path: ReadPath) -> Result<HostBuffer> {
-        Ok(HostBuffer::new(mmap::map_range(self, extent.start, extent.expected)?, path))
-    }
-
-    /// Whether (nearly) all of the file is in the page cache, so reading it through the
-    /// cache beats O_DIRECT.
-    pub fn is_resident(&self) -> Result<bool> {
-        Ok(self.resident_fraction()? >= RESIDENT_THRESHOLD)
-    }
-
-    /// Fraction of the file's pages in the page cache.
-    pub fn resident_fraction(&self) -> Result<f64> {
-        mmap::resident_fraction(self)
+    fn local(&self) -> Option<&LocalFile> {
+        Some(self)
     }
 }
 

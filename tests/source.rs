@@ -1,0 +1,131 @@
+//! The source seam: a load from a source that is not a local file (bytes in memory here, as
+//! an object store's would be) plans, reads, streams and stages exactly as a file does, through
+//! nothing but `Source::read_at`.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use common::{safetensors, TempDir};
+
+use fastsafetensors::device::staged::{copy_files, StagedFile};
+use fastsafetensors::device::{HostMemoryDevice, StagingOptions};
+use fastsafetensors::load::stream::{StreamOptions, TensorStream};
+use fastsafetensors::load::{plan_files, plan_sources, LoadOptions};
+use fastsafetensors::source::direct::BlockReader;
+use fastsafetensors::source::{Capabilities, Identity, LocalFile, ReadPath, ReaderKind, Source};
+use fastsafetensors::{Error, Result};
+
+/// A source held in memory, whose version can be bumped to stand for a replaced object.
+struct MemorySource {
+    path: PathBuf,
+    bytes: Vec<u8>,
+    identity: Identity,
+    replaced: AtomicBool,
+}
+
+impl MemorySource {
+    fn new(name: &str, bytes: Vec<u8>) -> Arc<MemorySource> {
+        let identity = Identity::File { len: bytes.len() as u64, modified: Some(SystemTime::UNIX_EPOCH) };
+        Arc::new(MemorySource { path: PathBuf::from(name), bytes, identity, replaced: AtomicBool::new(false) })
+    }
+}
+
+impl Source for MemorySource {
+    fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn identity(&self) -> &Identity {
+        &self.identity
+    }
+
+    fn current_identity(&self) -> Result<Identity> {
+        let secs = u64::from(self.replaced.load(Ordering::Relaxed));
+        let modified = SystemTime::UNIX_EPOCH + Duration::from_secs(secs);
+        Ok(Identity::File { len: self.bytes.len() as u64, modified: Some(modified) })
+    }
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        let start = (offset as usize).min(self.bytes.len());
+        let n = buf.len().min(self.bytes.len() - start);
+        buf[..n].copy_from_slice(&self.bytes[start..start + n]);
+        Ok(n)
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities { direct: false, mmap: false, gds: false }
+    }
+
+    fn local(&self) -> Option<&LocalFile> {
+        None
+    }
+}
+
+const TENSORS: &[(&str, &str, &[u64])] = &[("a", "F32", &[1000, 3]), ("b", "BF16", &[4097]), ("c", "U8", &[5])];
+
+/// Each tensor's bytes as the file holds them, by name.
+fn reference(dir: &TempDir, bytes: &[u8]) -> Vec<(String, Vec<u8>)> {
+    let path = dir.write("reference.safetensors", bytes);
+    let loaded = plan_files(&[path]).unwrap().read_to_host(&LoadOptions::default()).unwrap();
+    loaded.tensors.iter().map(|t| (t.name.clone(), loaded.bytes(t).to_vec())).collect()
+}
+
+#[test]
+fn a_load_from_a_source_in_memory_reads_it_through_read_at() {
+    let dir = TempDir::new("source-load");
+    let bytes = safetensors(TENSORS, 8);
+    let expected = reference(&dir, &bytes);
+    for reader in [ReaderKind::Auto, ReaderKind::Direct, ReaderKind::Mmap] {
+        let src: Arc<dyn Source> = MemorySource::new("memory://model.safetensors", bytes.clone());
+        let planned = plan_sources(vec![src]).unwrap();
+        let loaded = planned.read_to_host(&LoadOptions { reader, block: 4096, ..Default::default() }).unwrap();
+        // Neither O_DIRECT nor a mapping applies: the source's own reads.
+        assert_eq!(loaded.read_paths(), [ReadPath::Buffered], "{reader:?}");
+        let got: Vec<_> = loaded.tensors.iter().map(|t| (t.name.clone(), loaded.bytes(t).to_vec())).collect();
+        assert_eq!(got, expected, "{reader:?}");
+    }
+}
+
+#[test]
+fn a_stream_from_a_source_in_memory_hands_out_every_tensor() {
+    let dir = TempDir::new("source-stream");
+    let bytes = safetensors(TENSORS, 8);
+    let expected = reference(&dir, &bytes);
+    let src: Arc<dyn Source> = MemorySource::new("memory://model.safetensors", bytes);
+    let mut stream =
+        TensorStream::open(plan_sources(vec![src]).unwrap(), StreamOptions::with_budget(16 << 10)).unwrap();
+    let mut got = Vec::new();
+    while let Some(group) = stream.next_group().unwrap() {
+        got.extend(group.tensors.iter().map(|t| (t.name.clone(), group.bytes(t).to_vec())));
+    }
+    assert_eq!(got, expected);
+}
+
+#[test]
+fn the_staged_device_path_reads_a_source_in_memory() {
+    let bytes = safetensors(TENSORS, 8);
+    let src: Arc<dyn Source> = MemorySource::new("memory://model.safetensors", bytes.clone());
+    let reader = BlockReader::open(Arc::clone(&src), true).unwrap();
+    // Device memory starts at address 0 in the stand-in.
+    let device = HostMemoryDevice::new(bytes.len().next_multiple_of(4096));
+    let paths =
+        copy_files(&device, &[StagedFile::whole(&reader, 0)], &StagingOptions { block: 8192, slots: 2 }).unwrap();
+    assert_eq!(paths, [ReadPath::Buffered]);
+    assert_eq!(&device.memory()[..bytes.len()], &bytes[..]);
+}
+
+#[test]
+fn a_source_replaced_during_a_load_is_an_error_naming_it() {
+    let bytes = safetensors(TENSORS, 8);
+    let src = MemorySource::new("memory://model.safetensors", bytes);
+    let planned = plan_sources(vec![Arc::clone(&src) as Arc<dyn Source>]).unwrap();
+    src.replaced.store(true, Ordering::Relaxed);
+    match planned.read_to_host(&LoadOptions::default()) {
+        Err(Error::Changed { path, .. }) => assert_eq!(path, Path::new("memory://model.safetensors")),
+        other => panic!("expected Changed, got {:?}", other.map(|l| l.read_paths())),
+    }
+}
