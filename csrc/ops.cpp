@@ -1,5 +1,7 @@
-// The torch ops of fastsafetensors. A translation layer only: the Rust loader decides what
-// to read and how; this file turns its buffers into at::Tensors and registers the ops.
+// The torch ops of fastsafetensors. A translation layer only: the Rust loader decides what to
+// read, where it goes and what becomes of each tensor (a view, a copy, a cast); this file
+// allocates device memory through torch, wraps the buffers as at::Tensors, carries out those
+// decisions with ATen ops, and registers the ops.
 #include <ATen/ATen.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
@@ -12,6 +14,7 @@
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -22,8 +25,9 @@ namespace fastsafetensors {
 namespace {
 
 using TensorDict = c10::Dict<std::string, at::Tensor>;
-// Names and tensors in read order.
+// Names and tensors in read order (and how each file was read).
 using NamedTensors = std::tuple<std::vector<std::string>, std::vector<at::Tensor>>;
+using LoadResult = std::tuple<std::vector<std::string>, std::vector<at::Tensor>, std::vector<std::string>>;
 
 // Calls into Rust, turning its errors into torch errors (RuntimeError in Python).
 template <class F>
@@ -37,51 +41,30 @@ auto call_rust(F&& f) -> decltype(f()) {
 
 std::string_view view(const ::rust::String& s) { return {s.data(), s.size()}; }
 
-// The torch dtype of a safetensors dtype name.
-at::ScalarType scalar_type(const rs::TensorSpec& t) {
+// The torch dtype of a safetensors dtype name (Rust has refused the names torch lacks).
+at::ScalarType scalar_type(std::string_view dtype) {
   static const std::unordered_map<std::string_view, at::ScalarType> table = {
-      {"BOOL", at::kBool},
-      {"U8", at::kByte},
-      {"I8", at::kChar},
-      {"I16", at::kShort},
-      {"U16", at::kUInt16},
-      {"I32", at::kInt},
-      {"U32", at::kUInt32},
-      {"I64", at::kLong},
-      {"U64", at::kUInt64},
-      {"F16", at::kHalf},
-      {"BF16", at::kBFloat16},
-      {"F32", at::kFloat},
-      {"F64", at::kDouble},
-      {"C64", at::kComplexFloat},
-      {"F8_E4M3", at::kFloat8_e4m3fn},
-      {"F8_E5M2", at::kFloat8_e5m2},
-      {"F8_E4M3FNUZ", at::kFloat8_e4m3fnuz},
-      {"F8_E5M2FNUZ", at::kFloat8_e5m2fnuz},
-      {"F8_E8M0", at::kFloat8_e8m0fnu},
+      {"BOOL", at::kBool},  {"U8", at::kByte},           {"I8", at::kChar},
+      {"I16", at::kShort},  {"U16", at::kUInt16},        {"I32", at::kInt},
+      {"U32", at::kUInt32}, {"I64", at::kLong},          {"U64", at::kUInt64},
+      {"F16", at::kHalf},   {"BF16", at::kBFloat16},     {"F32", at::kFloat},
+      {"F64", at::kDouble}, {"C64", at::kComplexFloat},  {"F8_E4M3", at::kFloat8_e4m3fn},
+      {"F8_E5M2", at::kFloat8_e5m2},                     {"F8_E4M3FNUZ", at::kFloat8_e4m3fnuz},
+      {"F8_E5M2FNUZ", at::kFloat8_e5m2fnuz},             {"F8_E8M0", at::kFloat8_e8m0fnu},
       {"F4", at::kFloat4_e2m1fn_x2},
   };
-  auto it = table.find(view(t.dtype));
-  TORCH_CHECK(it != table.end(), "tensor '", std::string(t.name), "': dtype ", std::string(t.dtype),
-              " has no torch equivalent");
+  auto it = table.find(dtype);
+  TORCH_CHECK(it != table.end(), "fastsafetensors: internal error: no torch dtype for ", std::string(dtype));
   return it->second;
 }
 
-// The torch shape: torch packs F4 two per element (float4_e2m1fn_x2), halving the last dim.
-std::vector<int64_t> torch_shape(const rs::TensorSpec& t) {
-  std::vector<int64_t> shape(t.shape.begin(), t.shape.end());
-  if (view(t.dtype) == "F4") {
-    TORCH_CHECK(!shape.empty() && shape.back() % 2 == 0, "tensor '", std::string(t.name),
-                "': F4 needs an even last dimension to load as torch.float4_e2m1fn_x2");
-    shape.back() /= 2;
-  }
-  return shape;
+// torch's name for `dtype=` ("bfloat16"), or "" for none: Rust decides what it casts.
+std::string dtype_name(std::optional<at::ScalarType> dtype) {
+  return dtype ? std::string(c10::getDtypeNames(*dtype).first) : std::string();
 }
 
-// One host buffer of the Rust loader, shared by the tensors in it. Each tensor's DataPtr
-// holds one count (its context), so the Rust buffer is released with the last tensor into
-// it. A count per tensor, rather than a std::function deleter holding a shared_ptr, costs no
-// allocation per tensor: what matters for checkpoints of 100k small tensors.
+// One host buffer of the Rust loader, shared by the tensors in it: each tensor's DataPtr holds
+// a count (its context), which costs no allocation per tensor (checkpoints of 100k tensors).
 class SharedBuffer {
  public:
   // The buffer, with one count held by the returned handle.
@@ -113,85 +96,36 @@ class SharedBuffer {
 
 using Buffer = std::unique_ptr<SharedBuffer, void (*)(SharedBuffer*)>;
 
-// A tensor over the bytes of `t` in a host buffer, keeping the buffer alive.
+std::vector<int64_t> shape_of(const rs::TensorSpec& t) { return {t.shape.begin(), t.shape.end()}; }
+
+// A tensor over the bytes of `t` in a host buffer: a view keeping the buffer alive, or a copy.
 at::Tensor wrap_host(const rs::TensorSpec& t, SharedBuffer& buffer) {
-  const auto type = scalar_type(t);
-  const auto shape = torch_shape(t);
+  const auto type = scalar_type(view(t.dtype));
   const auto options = at::TensorOptions().dtype(type).device(at::kCPU);
-  if (t.nbytes == 0) {
-    return at::empty(shape, options);
-  }
+  if (t.nbytes == 0) return at::empty(shape_of(t), options);
   auto* data = buffer.base() + t.offset;
-  if (t.aligned) {
-    return at::for_blob(data, shape).context(buffer.acquire(), &SharedBuffer::release).options(options).make_tensor();
+  if (!t.copy) {
+    return at::for_blob(data, shape_of(t)).context(buffer.acquire(), &SharedBuffer::release).options(options).make_tensor();
   }
-  // Not aligned to its element size (the header length is not a multiple of it): copy the
-  // bytes into fresh, aligned memory, then reinterpret them.
+  // Copied as bytes into fresh, aligned memory, then reinterpreted.
   auto bytes = at::from_blob(data, {static_cast<int64_t>(t.nbytes)}, at::TensorOptions(at::kByte));
-  return bytes.clone().view(type).view(shape);
+  return bytes.clone().view(type).view(shape_of(t));
 }
 
-// A tensor over the bytes of `t` in a file's device buffer, whose byte 0 is at `start` in
-// `buffer`: a view, so the buffer (owned by torch's caching allocator) is freed when the last
-// tensor into it dies.
+// A tensor over the bytes of `t` in a device buffer whose byte 0 is at `start`: a view, so the
+// buffer (owned by torch's caching allocator) is freed when the last tensor into it dies, or
+// a copy on the device.
 at::Tensor wrap_device(const rs::TensorSpec& t, const at::Tensor& buffer, int64_t start) {
-  const auto type = scalar_type(t);
-  const auto shape = torch_shape(t);
-  if (t.nbytes == 0) {
-    return at::empty(shape, buffer.options().dtype(type));
-  }
+  const auto type = scalar_type(view(t.dtype));
+  if (t.nbytes == 0) return at::empty(shape_of(t), buffer.options().dtype(type));
   auto bytes = buffer.narrow(0, start + static_cast<int64_t>(t.offset), static_cast<int64_t>(t.nbytes));
-  // Misaligned data is copied to fresh aligned memory on the device, not through the host.
-  return (t.aligned ? bytes : bytes.clone()).view(type).view(shape);
+  return (t.copy ? bytes.clone() : bytes).view(type).view(shape_of(t));
 }
 
-// Fails, before anything is read, on a tensor torch cannot represent.
-template <class Specs>
-void check_torch_types(const Specs& specs) {
-  for (const auto& spec : specs) {
-    scalar_type(spec);
-    torch_shape(spec);
-  }
-}
-
-// `dtype=` casts only what users mean by "the model's dtype": full-precision floating point
-// (F16, BF16, F32, F64), to one of those. Integers, bool, complex and quantised payloads
-// (float8, float4, e8m0 scales) keep their type. A target outside that set is refused: a cast
-// to int8 or float8 without scales turns weights into zeros and saturated values.
-bool castable(at::ScalarType type) {
-  return type == at::kHalf || type == at::kBFloat16 || type == at::kFloat || type == at::kDouble;
-}
-
-void check_cast_target(std::optional<at::ScalarType> dtype) {
-  if (!dtype || castable(*dtype)) return;
-  const std::string name = "torch." + std::string(c10::getDtypeNames(*dtype).first);
-  TORCH_CHECK(false, "fastsafetensors: dtype=", name,
-              " is not supported: dtype= casts floating-point tensors (F16, BF16, F32, F64) to torch.float16, "
-              "torch.bfloat16, torch.float32 or torch.float64 and leaves the others as stored; convert to ",
-              name, " yourself (tensor.to(", name, ")) if that is what you want");
-}
-
-// The cast runs where the tensor is: on the GPU for device loads.
-at::Tensor cast(at::Tensor t, std::optional<at::ScalarType> dtype) {
-  const auto type = t.scalar_type();
-  return dtype && castable(type) && type != *dtype ? t.to(*dtype) : t;
-}
-
-// The device a load targets: "cpu" or "cuda[:N]"; anything else is refused in one line.
-c10::Device target_device(const std::string& device) {
-  std::optional<c10::Device> target;
-  try {
-    target.emplace(device);
-  } catch (const c10::Error&) {
-    TORCH_CHECK(false, "fastsafetensors: cannot load to device '", device,
-                "': not a device name (use 'cpu', 'cuda' or 'cuda:N')");
-  }
-  TORCH_CHECK(target->is_cpu() || target->is_cuda(), "fastsafetensors: cannot load to device '", device,
-              "' (only cpu and cuda)");
-  // torch accepts "cpu:1" but there is one CPU device; safetensors refuses it too.
-  TORCH_CHECK(!target->is_cpu() || target->index() <= 0, "fastsafetensors: cannot load to device '", device,
-              "': there is one CPU device, 'cpu'");
-  return *target;
+// Adds a wrapped tensor, cast where Rust says so (on the tensor's device).
+void add(NamedTensors& out, const rs::TensorSpec& spec, at::Tensor t) {
+  std::get<0>(out).emplace_back(spec.name.data(), spec.name.size());
+  std::get<1>(out).push_back(spec.cast.empty() ? std::move(t) : t.to(scalar_type(view(spec.cast))));
 }
 
 ::rust::Vec<::rust::String> to_rust(const std::vector<std::string>& strings) {
@@ -205,18 +139,11 @@ std::vector<std::string> from_rust(const ::rust::Vec<::rust::String>& strings) {
   return std::vector<std::string>(strings.begin(), strings.end());
 }
 
-using Loaded = std::tuple<TensorDict, std::vector<std::string>>;
-
 // Which tensors to load: all, or those `tensor_filter` selects in `mode`.
 rs::TensorSelection selection(const std::optional<std::vector<std::string>>& tensor_filter, const std::string& mode) {
   rs::TensorSelection out{tensor_filter.has_value(), {}, ::rust::String(mode)};
   if (tensor_filter) out.patterns = to_rust(*tensor_filter);
   return out;
-}
-
-const rs::TensorSelection& everything() {
-  static const rs::TensorSelection all{false, {}, ::rust::String("glob")};
-  return all;
 }
 
 TensorDict to_dict(NamedTensors&& named) {
@@ -227,120 +154,33 @@ TensorDict to_dict(NamedTensors&& named) {
   return out;
 }
 
-NamedTensors from_dict(const TensorDict& dict) {
+// The tensors of host buffers, as Rust specified them; `to`: a device to move each to before
+// its cast. The loader gives up its references first, and each buffer's handle here goes
+// once its tensors are made (they come buffer by buffer), so that a buffer whose tensors were
+// all copied or cast is freed before the next one's casts.
+NamedTensors host_tensors(rs::LoadedFiles& loaded, const std::optional<c10::Device>& to = std::nullopt) {
+  std::vector<Buffer> buffers;
+  for (size_t i = 0; i < loaded.buffer_count(); ++i) buffers.push_back(SharedBuffer::take(loaded.take_buffer(i)));
   NamedTensors out;
-  for (const auto& entry : dict) {
-    std::get<0>(out).push_back(entry.key());
-    std::get<1>(out).push_back(entry.value());
+  const auto& specs = loaded.tensors();
+  for (size_t k = 0; k < specs.size(); ++k) {
+    const auto& spec = specs[k];
+    auto t = wrap_host(spec, *buffers[spec.buffer]);
+    add(out, spec, to ? t.to(*to) : t);
+    if (k + 1 == specs.size() || specs[k + 1].buffer != spec.buffer) buffers[spec.buffer].reset();
   }
   return out;
-}
-
-// One buffer's tensors as first wrapped: views of the buffer, unless marked otherwise.
-struct BufferTensors {
-  std::vector<std::string> names;
-  std::vector<at::Tensor> tensors;
-  std::vector<bool> views;  // shares the buffer (else: copied, or empty)
-
-  void add(const rs::TensorSpec& spec, at::Tensor tensor) {
-    names.emplace_back(spec.name.data(), spec.name.size());
-    tensors.push_back(std::move(tensor));
-    views.push_back(spec.aligned && spec.nbytes > 0);
-  }
-};
-
-// Adds a buffer's tensors to `out`, cast to `dtype` where the cast rule says so. A buffer
-// outlives the call only if every tensor in it is still a view of it: once one was cast, the
-// others are copied out (when `release` allows), so that the whole buffer is freed as soon
-// as the caller drops its own reference, instead of staying alive for a few small uncast
-// tensors beside the cast copies.
-void add_buffer(BufferTensors&& buffer, std::optional<at::ScalarType> dtype, bool release, NamedTensors& out) {
-  auto& [names, tensors] = out;
-  std::vector<at::Tensor> results;
-  results.reserve(buffer.tensors.size());
-  bool any_cast = false;
-  for (const auto& t : buffer.tensors) {
-    results.push_back(cast(t, dtype));
-    any_cast = any_cast || !results.back().is_same(t);
-  }
-  for (size_t k = 0; k < results.size(); ++k) {
-    if (any_cast && release && buffer.views[k] && results[k].is_same(buffer.tensors[k])) {
-      results[k] = results[k].clone();
-    }
-    names.push_back(std::move(buffer.names[k]));
-    tensors.push_back(std::move(results[k]));
-  }
-}
-
-// A zero-copy mapping holds page cache, not memory of its own: its views stay views.
-bool is_mapping(std::string_view read_path) { return read_path == "mmap" || read_path == "mmap-fallback"; }
-
-// Host buffers and their tensors as first wrapped, before any cast.
-struct Wrapped {
-  std::vector<Buffer> buffers;
-  std::vector<bool> mapped;
-  std::vector<BufferTensors> by_buffer;
-  size_t count = 0;
-
-  void push(::rust::Box<rs::BufferRef> ref, bool is_mapped) {
-    buffers.push_back(SharedBuffer::take(std::move(ref)));
-    mapped.push_back(is_mapped);
-    by_buffer.emplace_back();
-  }
-
-  template <class Specs>
-  void add_tensors(const Specs& specs) {
-    for (const auto& spec : specs) {
-      by_buffer[spec.buffer].add(spec, wrap_host(spec, *buffers[spec.buffer]));
-    }
-    count += specs.size();
-  }
-
-  // The tensors, cast, in read order. The loader's own references must be gone by now, so
-  // that a buffer whose tensors were all cast or copied out is freed here.
-  NamedTensors finish(std::optional<at::ScalarType> dtype) && {
-    NamedTensors out;
-    std::get<0>(out).reserve(count);
-    std::get<1>(out).reserve(count);
-    for (size_t i = 0; i < by_buffer.size(); ++i) {
-      add_buffer(std::move(by_buffer[i]), dtype, !mapped[i], out);
-      buffers[i].reset();
-    }
-    return out;
-  }
-};
-
-// Wraps the tensors of `loaded`, whose read paths are `read_paths`.
-Wrapped wrap_loaded(const rs::LoadedFiles& loaded, const std::vector<std::string>& read_paths) {
-  Wrapped w;
-  for (size_t i = 0; i < loaded.buffer_count(); ++i) {
-    w.push(loaded.buffer(i), is_mapping(read_paths[loaded.buffer_file(i)]));
-  }
-  w.add_tensors(loaded.tensors());
-  return w;
-}
-
-std::tuple<NamedTensors, std::vector<std::string>> load_to_host(const std::vector<std::string>& files,
-                                                                const std::string& reader,
-                                                                const rs::TensorSelection& chosen,
-                                                                std::optional<at::ScalarType> dtype) {
-  auto paths = to_rust(files);
-  auto planned = call_rust([&] { return rs::plan_files(paths, chosen); });
-  check_torch_types(planned->tensors());
-  std::vector<std::string> read_paths;
-  Wrapped wrapped;
-  {
-    auto loaded = call_rust([&] { return rs::read_to_host(std::move(planned), reader); });
-    read_paths = from_rust(loaded->read_paths());
-    wrapped = wrap_loaded(*loaded, read_paths);
-  }  // From here on, only the tensors and `wrapped` keep the buffers' memory.
-  return {std::move(wrapped).finish(dtype), std::move(read_paths)};
 }
 
 // Torch's CUDA hooks, reached through the device-guard registry: the extension links none of
 // torch's CUDA libraries, so that it still loads under a CPU-only torch.
 const c10::impl::DeviceGuardImplInterface& cuda_hooks() {
   return *c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+}
+
+// The CUDA device Rust parsed; index -1 is torch's current device.
+c10::Device cuda_device(const rs::DeviceSpec& spec) {
+  return spec.index < 0 ? cuda_hooks().getDevice() : c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(spec.index));
 }
 
 // An event recorded on torch's current stream of a device once the file buffers are
@@ -364,92 +204,60 @@ class ReadyEvent {
   void* event_ = nullptr;
 };
 
-// Our own check first: a clear error, at once, on machines without a driver or device.
-void check_cuda(const c10::Device& target) {
-  size_t devices = 0;
-  try {
-    devices = rs::cuda_device_count();
-  } catch (const ::rust::Error& e) {
-    TORCH_CHECK(false, "fastsafetensors: cannot load to ", target.str(), ": ", e.what());
-  }
-  TORCH_CHECK(devices > 0, "fastsafetensors: cannot load to ", target.str(), ": CUDA: no CUDA device is visible");
+at::Tensor device_bytes(int64_t len, const c10::Device& device) {
+  return at::empty({len}, at::TensorOptions(at::kByte).device(device));
 }
 
-std::tuple<NamedTensors, std::vector<std::string>> load_to_cuda(const std::vector<std::string>& files,
-                                                                const c10::Device& target, const std::string& reader,
-                                                                std::optional<at::ScalarType> dtype,
-                                                                std::optional<bool> nogds) {
-  check_cuda(target);
-  auto paths = to_rust(files);
-  auto planned = call_rust([&] { return rs::plan_files(paths, everything()); });
-  check_torch_types(planned->tensors());
-  // Plain "cuda" is torch's current device, also when there is nothing to load.
-  const c10::Device device = target.has_index() ? target : cuda_hooks().getDevice();
+// Whole files copied to the device, group by group as Rust groups them. Destination memory
+// comes from torch's caching allocator, so torch's memory statistics (which vLLM sizes its KV
+// cache from) count it.
+LoadResult load_to_cuda(const rs::PlannedFiles& planned, const std::string& reader, std::optional<bool> nogds) {
+  const c10::Device device = cuda_device(planned.target());
   const int32_t gds = nogds.has_value() ? static_cast<int32_t>(*nogds) : -1;
-  const size_t count = planned->file_count();
-  // Without a cast every tensor stays a view of its file's buffer, and all files are read in
-  // one go, overlapping. With one, file by file: each file's buffer is freed (its tensors
-  // cast or copied out) before the next one is allocated.
-  std::vector<std::vector<size_t>> groups(dtype && count > 0 ? count : 1);
-  for (size_t i = 0; i < count; ++i) groups[dtype ? i : 0].push_back(i);
-  std::vector<BufferTensors> by_file(count);
-  std::vector<std::string> read_paths(count);
+  std::vector<std::string> read_paths(planned.file_count());
   NamedTensors tensors;
-  for (const auto& group : groups) {
-    // Destination memory comes from torch's caching allocator, so torch's memory statistics
-    // (which vLLM sizes its KV cache from) count it.
+  for (size_t g = 0; g < planned.device_group_count(); ++g) {
+    const auto files = planned.device_group_files(g);
     std::vector<at::Tensor> buffers;
-    ::rust::Vec<size_t> indices;
     ::rust::Vec<uint64_t> bases;
-    for (const size_t i : group) {
-      const auto len = static_cast<int64_t>(planned->device_alloc_len(i));
-      buffers.push_back(at::empty({len}, at::TensorOptions(at::kByte).device(device)));
-      indices.push_back(i);
+    for (const size_t i : files) {
+      buffers.push_back(device_bytes(static_cast<int64_t>(planned.device_alloc_len(i)), device));
       bases.push_back(reinterpret_cast<uint64_t>(buffers.back().data_ptr()));
     }
     std::optional<ReadyEvent> ready;
-    if (!group.empty()) ready.emplace(device);
+    if (!files.empty()) ready.emplace(device);
     const auto copies = call_rust([&] {
-      return planned->copy_to_cuda(device.index(), indices, bases, reader, gds, ready ? ready->handle() : 0);
+      return planned.copy_to_cuda(device.index(), files, bases, reader, gds, ready ? ready->handle() : 0);
     });
     ready.reset();
-    for (size_t k = 0; k < group.size(); ++k) {
-      read_paths[group[k]] = std::string(copies[k].path);
+    for (size_t k = 0; k < files.size(); ++k) read_paths[files[k]] = std::string(copies[k].path);
+    for (const auto& spec : planned.device_group_specs(g)) {
+      const auto at = spec.buffer;
+      add(tensors, spec, wrap_device(spec, buffers[at], static_cast<int64_t>(copies[at].offset)));
     }
-    for (const auto& spec : planned->tensors()) {
-      const auto k = std::find(group.begin(), group.end(), spec.buffer);
-      if (k == group.end()) continue;
-      const auto at = static_cast<size_t>(k - group.begin());
-      by_file[spec.buffer].add(spec, wrap_device(spec, buffers[at], static_cast<int64_t>(copies[at].offset)));
-    }
-    buffers.clear();  // From here on, only the tensors keep the files' memory.
-    for (const size_t i : group) add_buffer(std::move(by_file[i]), dtype, true, tensors);
-  }
-  return {std::move(tensors), std::move(read_paths)};
+  }  // each group's buffers: from here on, only its tensors keep them
+  auto& [names, list] = tensors;
+  return {std::move(names), std::move(list), std::move(read_paths)};
 }
 
 // The selected tensors of `files` on `device`, in read order, and how each file was read.
-std::tuple<std::vector<std::string>, std::vector<at::Tensor>, std::vector<std::string>> load_named(
+LoadResult load_named(
     std::vector<std::string> files, std::string device, std::optional<at::ScalarType> dtype,
     std::optional<std::string> reader, std::optional<bool> nogds,
     std::optional<std::vector<std::string>> tensor_filter, std::string tensor_name_match_mode) {
-  const auto target = target_device(device);
-  check_cast_target(dtype);
-  std::tuple<NamedTensors, std::vector<std::string>> loaded;
-  if (target.is_cpu()) {
-    loaded = load_to_host(files, reader.value_or(""), selection(tensor_filter, tensor_name_match_mode), dtype);
-  } else if (!tensor_filter) {
-    loaded = load_to_cuda(files, target, reader.value_or(""), dtype, nogds);
-  } else {
-    // A selection on CUDA: only the selected bytes are read, into host memory, then copied.
-    check_cuda(target);
-    loaded = load_to_host(files, reader.value_or(""), selection(tensor_filter, tensor_name_match_mode), std::nullopt);
-    for (auto& t : std::get<1>(std::get<0>(loaded))) t = cast(t.to(target), dtype);
-  }
-  auto& [named_tensors, read_paths] = loaded;
-  auto& [names, tensors] = named_tensors;
-  return {std::move(names), std::move(tensors), std::move(read_paths)};
+  const auto paths = to_rust(files);
+  const auto chosen = selection(tensor_filter, tensor_name_match_mode);
+  auto planned = call_rust([&] { return rs::plan_load(paths, chosen, device, dtype_name(dtype)); });
+  const std::string how = reader.value_or("");
+  if (planned->route() == rs::Route::Device) return load_to_cuda(*planned, how, nogds);
+  std::optional<c10::Device> to;
+  if (planned->route() == rs::Route::HostThenDevice) to = cuda_device(planned->target());
+  auto files_read = call_rust([&] { return rs::read_to_host(std::move(planned), how); });
+  auto [names, tensors] = host_tensors(*files_read, to);
+  return {std::move(names), std::move(tensors), from_rust(files_read->read_paths())};
 }
+
+using Loaded = std::tuple<TensorDict, std::vector<std::string>>;
 
 Loaded load_with_report(std::vector<std::string> files, std::string device, std::optional<at::ScalarType> dtype,
                         std::optional<std::string> reader, std::optional<bool> nogds,
@@ -468,19 +276,8 @@ TensorDict load(std::vector<std::string> files, std::string device, std::optiona
 
 // Rows [start, stop) of tensor `name`, reading only their bytes.
 at::Tensor load_rows(std::string file, std::string name, int64_t start, int64_t stop, std::optional<std::string> reader) {
-  TORCH_CHECK(start >= 0 && stop >= 0, "fastsafetensors: rows [", start, ", ", stop, ") of '", name,
-              "': negative row index");
-  std::vector<std::string> read_paths;
-  Wrapped wrapped;
-  {
-    auto loaded = call_rust([&] {
-      return rs::load_rows(file, name, static_cast<uint64_t>(start), static_cast<uint64_t>(stop), reader.value_or(""));
-    });
-    check_torch_types(loaded->tensors());
-    read_paths = from_rust(loaded->read_paths());
-    wrapped = wrap_loaded(*loaded, read_paths);
-  }
-  auto tensors = std::get<1>(std::move(wrapped).finish(std::nullopt));
+  auto loaded = call_rust([&] { return rs::load_rows(file, name, start, stop, reader.value_or("")); });
+  auto tensors = std::get<1>(host_tensors(*loaded));
   TORCH_CHECK(tensors.size() == 1, "fastsafetensors: internal error: ", tensors.size(), " tensors for one row range");
   return tensors.front();
 }
@@ -499,15 +296,14 @@ std::vector<std::string> selected(std::vector<std::string> files, std::optional<
 //
 // To the CPU, groups are read into host buffers within the memory budget. To a CUDA device,
 // each group gets an allocation of its own from torch's caching allocator (so torch's memory
-// statistics count it), and the copy of the next group, through the pinned staging ring,
-// runs while the caller works on the current one.
+// statistics count it), and the copies of the groups Rust says to submit ahead, through the
+// pinned staging ring, run while the caller works on the current one.
 class TensorStream : public torch::CustomClassHolder {
  public:
-  TensorStream(::rust::Box<rs::TensorStream> stream, std::optional<at::ScalarType> dtype)
-      : dtype_(dtype), target_(c10::kCPU), host_(std::move(stream)) {}
+  explicit TensorStream(::rust::Box<rs::TensorStream> stream) : target_(c10::kCPU), host_(std::move(stream)) {}
 
-  TensorStream(::rust::Box<rs::DeviceTensorStream> stream, c10::Device target, std::optional<at::ScalarType> dtype)
-      : dtype_(dtype), target_(target), device_(std::move(stream)) {}
+  TensorStream(::rust::Box<rs::DeviceTensorStream> stream, c10::Device target)
+      : target_(target), device_(std::move(stream)) {}
 
   // The next group's names and tensors; None after the last.
   std::optional<NamedTensors> next() {
@@ -517,38 +313,26 @@ class TensorStream : public torch::CustomClassHolder {
 
   // How the last group was read: "direct", "buffered", "mmap" or "mmap-fallback" ("" before
   // the first), and the index (-1 before the first) and path of its file.
-  std::string read_path() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return host_ ? std::string((*host_)->group_read_path()) : last_path_;
-  }
-
-  int64_t file_index() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (host_) return (*host_)->group_file();
-    return next_ == 0 ? -1 : call_rust([&] { return (*device_)->group_file(next_ - 1); });
-  }
-
-  std::string file_path() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (host_) return std::string((*host_)->group_path());
-    return next_ == 0 ? std::string() : std::string(call_rust([&] { return (*device_)->group_path(next_ - 1); }));
-  }
-
-  int64_t tensor_count() {
-    return static_cast<int64_t>(host_ ? (*host_)->tensor_count() : (*device_)->tensor_count());
-  }
-
-  int64_t byte_count() { return static_cast<int64_t>(host_ ? (*host_)->byte_count() : (*device_)->byte_count()); }
+  std::string read_path() { return on_stream([](auto& s) { return std::string(s.group_read_path()); }); }
+  int64_t file_index() { return on_stream([](auto& s) { return s.group_file(); }); }
+  std::string file_path() { return on_stream([](auto& s) { return std::string(s.group_path()); }); }
+  int64_t tensor_count() { return on_stream([](auto& s) { return static_cast<int64_t>(s.tensor_count()); }); }
+  int64_t byte_count() { return on_stream([](auto& s) { return static_cast<int64_t>(s.byte_count()); }); }
 
  private:
+  template <class F>
+  auto on_stream(F&& f) -> std::invoke_result_t<F, rs::TensorStream&> {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return host_ ? f(**host_) : f(**device_);
+  }
+
   std::optional<NamedTensors> next_host() {
     auto& stream = *host_;
     if (!call_rust([&] { return stream->next_group(); })) return std::nullopt;
-    check_torch_types(stream->group_tensors());
-    Wrapped wrapped;
-    wrapped.push(call_rust([&] { return stream->group_buffer(); }), is_mapping(view_str(stream->group_read_path())));
-    wrapped.add_tensors(stream->group_tensors());
-    return std::move(wrapped).finish(dtype_);
+    auto buffer = SharedBuffer::take(call_rust([&] { return stream->group_buffer(); }));
+    NamedTensors out;
+    for (const auto& spec : stream->group_tensors()) add(out, spec, wrap_host(spec, *buffer));
+    return out;
   }
 
   // A group's allocation and the event its copy is ordered after, kept until it has landed.
@@ -560,66 +344,34 @@ class TensorStream : public torch::CustomClassHolder {
   void submit(size_t k) {
     auto& stream = *device_;
     const auto len = static_cast<int64_t>(call_rust([&] { return stream->alloc_len(k); }));
-    Submitted s{at::empty({len}, at::TensorOptions(at::kByte).device(target_)), nullptr};
-    s.ready = std::make_unique<ReadyEvent>(target_);
+    Submitted s{device_bytes(len, target_), std::make_unique<ReadyEvent>(target_)};
     const auto base = reinterpret_cast<uint64_t>(s.buffer.data_ptr());
     call_rust([&] { return stream->submit(k, base, s.ready->handle()); });
     submitted_.emplace(k, std::move(s));
-    in_flight_ += static_cast<uint64_t>(len);
-    ahead_ = k + 1;
   }
 
   std::optional<NamedTensors> next_device() {
-    const size_t count = (*device_)->group_count();
-    if (next_ >= count) return std::nullopt;
+    auto& stream = *device_;
+    if (next_ >= stream->group_count()) return std::nullopt;
     const size_t k = next_++;
     try {
-      return group_on_device(k, count);
+      for (const size_t j : stream->submissions(k)) submit(j);
+      const auto specs = call_rust([&] { return stream->group_specs(k); });
+      const auto landed = call_rust([&] { return stream->wait(k); });
+      // Its copy done, the group's event goes; from here on only its tensors keep its memory.
+      const at::Tensor buffer = std::move(submitted_.extract(k).mapped().buffer);
+      NamedTensors out;
+      for (const auto& spec : specs) add(out, spec, wrap_device(spec, buffer, static_cast<int64_t>(landed.offset)));
+      return out;
     } catch (...) {
-      next_ = count;  // a stream stops at its first error, as the host one does
+      next_ = stream->group_count();  // a stream stops at its first error, as the host one does
       throw;
     }
   }
 
-  NamedTensors group_on_device(size_t k, size_t count) {
-    auto& stream = *device_;
-    if (k >= ahead_) submit(k);
-    // Later groups are copied while the caller works on this one: as many as the budget
-    // allows, at least the next.
-    const uint64_t budget = stream->budget();
-    while (ahead_ < count &&
-           (ahead_ == k + 1 || in_flight_ + call_rust([&] { return stream->alloc_len(ahead_); }) <= budget)) {
-      submit(ahead_);
-    }
-    const auto specs = call_rust([&] { return stream->group_specs(k); });
-    check_torch_types(specs);
-    const auto landed = call_rust([&] { return stream->wait(k); });
-    last_path_ = std::string(landed.path);
-    auto node = submitted_.extract(k);
-    at::Tensor buffer = std::move(node.mapped().buffer);
-    in_flight_ -= static_cast<uint64_t>(buffer.numel());
-    node.mapped().ready.reset();
-    BufferTensors group;
-    for (const auto& spec : specs) {
-      group.add(spec, wrap_device(spec, buffer, static_cast<int64_t>(landed.offset)));
-    }
-    buffer.reset();  // from here on, only the tensors keep the group's memory
-    NamedTensors out;
-    add_buffer(std::move(group), dtype_, true, out);
-    return out;
-  }
-
-  static std::string_view view_str(::rust::Str s) { return {s.data(), s.size()}; }
-
   std::mutex mutex_;
-  std::optional<at::ScalarType> dtype_;
   c10::Device target_;
   size_t next_ = 0;
-  // Groups below `ahead_` have been submitted, in order; `in_flight_` bytes are allocated for
-  // those not handed out yet.
-  size_t ahead_ = 0;
-  uint64_t in_flight_ = 0;
-  std::string last_path_;
   // Declared before the streams, so destroyed after them: the copier has stopped (its running
   // copy done) before the memory it copies into is given back to torch.
   std::unordered_map<size_t, Submitted> submitted_;
@@ -632,28 +384,22 @@ c10::intrusive_ptr<TensorStream> open_stream(std::vector<std::string> files, std
                                              std::optional<std::vector<std::string>> tensor_filter,
                                              std::string tensor_name_match_mode,
                                              std::optional<std::string> max_memory) {
-  const auto target = target_device(device);
-  check_cast_target(dtype);
+  const auto cast = dtype_name(dtype);
+  const auto target = call_rust([&] { return rs::check_target(device, cast); });
   auto paths = to_rust(files);
   const auto chosen = selection(tensor_filter, tensor_name_match_mode);
-  if (target.is_cpu()) {
-    auto stream =
-        call_rust([&] { return rs::open_stream(paths, reader.value_or(""), chosen, max_memory.value_or("")); });
-    return c10::make_intrusive<TensorStream>(std::move(stream), dtype);
+  const std::string how = reader.value_or(""), budget = max_memory.value_or("");
+  if (!target.cuda) {
+    return c10::make_intrusive<TensorStream>(
+        call_rust([&] { return rs::open_stream(paths, how, chosen, budget, cast); }));
   }
-  check_cuda(target);
-  // Plain "cuda" is torch's current device.
-  const c10::Device on = target.has_index() ? target : cuda_hooks().getDevice();
-  auto stream = call_rust([&] {
-    return rs::open_device_stream(paths, reader.value_or(""), chosen, max_memory.value_or(""),
-                                  static_cast<size_t>(on.index()));
-  });
-  return c10::make_intrusive<TensorStream>(std::move(stream), on, dtype);
+  const c10::Device on = cuda_device(target);
+  auto stream = call_rust(
+      [&] { return rs::open_device_stream(paths, how, chosen, budget, cast, static_cast<size_t>(on.index())); });
+  return c10::make_intrusive<TensorStream>(std::move(stream), on);
 }
 
-rs::HeaderSpec header(const std::string& file) {
-  return call_rust([&] { return rs::read_header(file); });
-}
+rs::HeaderSpec header(const std::string& file) { return call_rust([&] { return rs::read_header(file); }); }
 
 std::optional<c10::Dict<std::string, std::string>> metadata_of(const rs::HeaderSpec& h) {
   if (!h.has_metadata) return std::nullopt;
@@ -680,9 +426,7 @@ describe(std::string file) {
 // Frees the pinned staging buffers kept for later CUDA loads; returns how many were freed.
 int64_t release_staging_buffers() { return static_cast<int64_t>(rs::release_staging_buffers()); }
 
-std::string check_device(std::string device) {
-  return target_device(device).str();
-}
+std::string check_device(std::string device) { return std::string(call_rust([&] { return rs::parse_device(device); }).name); }
 
 // The files `path` (a file, checkpoint directory or index) stands for, the index they come
 // from, and every problem between them and the index.
@@ -694,9 +438,7 @@ std::tuple<std::vector<std::string>, std::optional<std::string>, std::vector<std
   return {from_rust(c.files), index, from_rust(c.problems)};
 }
 
-double resident_fraction(std::string file) {
-  return call_rust([&] { return rs::resident_fraction(file); });
-}
+double resident_fraction(std::string file) { return call_rust([&] { return rs::resident_fraction(file); }); }
 
 std::vector<std::string> keys(std::string file) {
   auto names = std::get<0>(describe(std::move(file)));
@@ -704,9 +446,7 @@ std::vector<std::string> keys(std::string file) {
   return names;
 }
 
-std::optional<c10::Dict<std::string, std::string>> metadata(std::string file) {
-  return metadata_of(header(file));
-}
+std::optional<c10::Dict<std::string, std::string>> metadata(std::string file) { return metadata_of(header(file)); }
 
 }  // namespace
 
@@ -718,17 +458,14 @@ TORCH_LIBRARY(fastsafetensors, m) {
       .def("file_path", &TensorStream::file_path)
       .def("tensor_count", &TensorStream::tensor_count)
       .def("byte_count", &TensorStream::byte_count);
-  m.def(
-      "load(str[] files, str device=\"cpu\", ScalarType? dtype=None, str? reader=None, bool? nogds=None,"
-      " str[]? tensor_filter=None, str tensor_name_match_mode=\"glob\") -> Dict(str, Tensor)");
-  m.def(
-      "load_with_report(str[] files, str device=\"cpu\", ScalarType? dtype=None, str? reader=None,"
-      " bool? nogds=None, str[]? tensor_filter=None, str tensor_name_match_mode=\"glob\")"
-      " -> (Dict(str, Tensor), str[])");
-  m.def(
-      "load_named(str[] files, str device=\"cpu\", ScalarType? dtype=None, str? reader=None, bool? nogds=None,"
-      " str[]? tensor_filter=None, str tensor_name_match_mode=\"glob\")"
-      " -> (str[] names, Tensor[] tensors, str[] read_paths)");
+  // The arguments of every bulk load.
+#define LOAD_ARGS                                                                                       \
+  "(str[] files, str device=\"cpu\", ScalarType? dtype=None, str? reader=None, bool? nogds=None," \
+  " str[]? tensor_filter=None, str tensor_name_match_mode=\"glob\")"
+  m.def("load" LOAD_ARGS " -> Dict(str, Tensor)");
+  m.def("load_with_report" LOAD_ARGS " -> (Dict(str, Tensor), str[])");
+  m.def("load_named" LOAD_ARGS " -> (str[] names, Tensor[] tensors, str[] read_paths)");
+#undef LOAD_ARGS
   m.def("load_rows(str file, str name, int start, int stop, str? reader=None) -> Tensor");
   m.def(
       "open_stream(str[] files, str device=\"cpu\", ScalarType? dtype=None, str? reader=None,"

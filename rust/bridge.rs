@@ -14,18 +14,21 @@ use crate::device::driver::{self, Context, RawEvent};
 use crate::device::gds::GdsMode;
 use crate::device::CudaDevice;
 use crate::error::{Error, Result};
+use crate::format::Dtype;
 use crate::load::checkpoint::{self, Checkpoint};
 use crate::load::device_stream::{Copier, DeviceStream};
 use crate::load::stream::{self, Group, StreamOptions};
 use crate::load::{self, DeviceCopy, DeviceOptions, DeviceTarget, LoadOptions, Loaded, Planned};
 use crate::plan::select::{MatchMode, RowRange, Selection, TensorFilter};
+use crate::plan::target::{self, Output, Target};
 use crate::plan::{self, Placement};
-use crate::source::{budget, HostBuffer, LocalFile, ReaderKind};
+use crate::source::{budget, HostBuffer, LocalFile, ReadPath, ReaderKind};
 
 #[cxx::bridge(namespace = "fastsafetensors::rs")]
 mod ffi {
     /// One tensor: `nbytes` at `offset` in buffer `buffer` (a file's, or for loaded tensors
-    /// one extent's), with its safetensors dtype name.
+    /// one extent's), with its safetensors dtype name and torch shape, and what the extension
+    /// does with it once wrapped.
     struct TensorSpec {
         name: String,
         dtype: String,
@@ -33,8 +36,30 @@ mod ffi {
         buffer: usize,
         offset: usize,
         nbytes: usize,
-        /// False when the data is not aligned to its element size and must be copied.
-        aligned: bool,
+        /// Copy the bytes out of the buffer (else: a view of it).
+        copy: bool,
+        /// Safetensors dtype name to cast to; empty: keep.
+        cast: String,
+    }
+
+    /// A device a load targets, parsed.
+    struct DeviceSpec {
+        cuda: bool,
+        /// CUDA device index; -1: torch's current device.
+        index: i64,
+        /// torch's name for it: "cpu", "cuda", "cuda:1".
+        name: String,
+    }
+
+    /// How a load reaches its device.
+    enum Route {
+        /// Read into host memory (a CPU load).
+        Host,
+        /// Whole files copied to the device, in the groups `device_group_files` gives.
+        Device,
+        /// Read into host memory, then each tensor moved to the device (a selection on CUDA:
+        /// only the selected bytes are read).
+        HostThenDevice,
     }
 
     /// How a file reached the device, and where in its allocation its byte 0 landed.
@@ -65,11 +90,18 @@ mod ffi {
         value: String,
     }
 
-    /// A file's header: tensors in offset order (offsets relative to the file start).
+    /// One tensor of a header, as stored.
+    struct HeaderTensor {
+        name: String,
+        dtype: String,
+        shape: Vec<i64>,
+    }
+
+    /// A file's header: tensors in offset order.
     struct HeaderSpec {
         has_metadata: bool,
         metadata: Vec<MetadataEntry>,
-        tensors: Vec<TensorSpec>,
+        tensors: Vec<HeaderTensor>,
     }
 
     extern "Rust" {
@@ -84,11 +116,29 @@ mod ffi {
         /// A reference on one file's host buffer; the buffer is freed when the last drops.
         type BufferRef;
 
-        /// Opens `paths`, validates their headers and keeps the tensors `selection` picks (no
-        /// data is read). Tensor buffers are files; offsets are file offsets.
-        fn plan_files(paths: &Vec<String>, selection: &TensorSelection) -> Result<Box<PlannedFiles>>;
-        fn tensors(self: &PlannedFiles) -> &Vec<TensorSpec>;
+        /// `device` parsed: "cpu", "cuda" or "cuda:N"; anything else is an error in one line.
+        fn parse_device(device: &str) -> Result<DeviceSpec>;
+        /// `device` parsed, `dtype` (torch's name, "" for none) checked as a cast target, and
+        /// for CUDA, the driver and a device there: what every load checks first.
+        fn check_target(device: &str, dtype: &str) -> Result<DeviceSpec>;
+        /// A load of the tensors `selection` picks from `paths` to `device`, cast as `dtype`
+        /// (torch's name, "" for none) says: paths resolved, headers validated, every setting
+        /// and argument checked, and the device there; no data read yet.
+        fn plan_load(
+            paths: &Vec<String>,
+            selection: &TensorSelection,
+            device: &str,
+            dtype: &str,
+        ) -> Result<Box<PlannedFiles>>;
+        fn target(self: &PlannedFiles) -> DeviceSpec;
+        fn route(self: &PlannedFiles) -> Route;
+        /// For `Route::Device`: groups of files copied together (each group's memory is
+        /// allocated, filled and wrapped before the next's).
         fn file_count(self: &PlannedFiles) -> usize;
+        fn device_group_count(self: &PlannedFiles) -> usize;
+        fn device_group_files(self: &PlannedFiles, group: usize) -> Vec<usize>;
+        /// The group's tensors; `buffer` is the file's position in the group.
+        fn device_group_specs(self: &PlannedFiles, group: usize) -> Vec<TensorSpec>;
         /// Bytes of device memory to allocate for file `index`.
         fn device_alloc_len(self: &PlannedFiles, index: usize) -> usize;
         /// Reads file `files[i]` into the allocation at device address `bases[i]` on CUDA
@@ -109,31 +159,33 @@ mod ffi {
 
         /// Reads the planned tensors into host memory with `reader` ("auto", "direct", "mmap",
         /// or "" for the default): each file's selected byte ranges, as few buffers (extents).
+        /// For `Route::HostThenDevice` the casts are left for after the move.
         fn read_to_host(planned: Box<PlannedFiles>, reader: &str) -> Result<Box<LoadedFiles>>;
         /// Loads rows `[start, stop)` of tensor `name` of `path` into host memory, reading
         /// only their bytes.
-        fn load_rows(path: &str, name: &str, start: u64, stop: u64, reader: &str) -> Result<Box<LoadedFiles>>;
+        fn load_rows(path: &str, name: &str, start: i64, stop: i64, reader: &str) -> Result<Box<LoadedFiles>>;
         /// The tensors: buffers are those of `buffer()`, offsets are within them.
         fn tensors(self: &LoadedFiles) -> &Vec<TensorSpec>;
         /// How each file was read: "direct", "buffered", "mmap", "mmap-fallback" (mapped: direct
         /// reads would not fit in host memory) or "none" (nothing selected in it).
         fn read_paths(self: &LoadedFiles) -> Vec<String>;
         fn buffer_count(self: &LoadedFiles) -> usize;
-        fn buffer(self: &LoadedFiles, index: usize) -> Box<BufferRef>;
-        /// Index of the file buffer `index` holds bytes of.
-        fn buffer_file(self: &LoadedFiles, index: usize) -> usize;
+        /// The loader's reference on buffer `index`, handed over (once).
+        fn take_buffer(self: &mut LoadedFiles, index: usize) -> Result<Box<BufferRef>>;
         /// Address of the first byte of the buffer.
         fn address(self: &BufferRef) -> usize;
 
         /// Names of the tensors `selection` picks from `paths`, in read order (headers only).
         fn selected_names(paths: &Vec<String>, selection: &TensorSelection) -> Result<Vec<String>>;
         /// A streaming load of the selected tensors of `paths` into host memory, holding at
-        /// most `max_memory` ("" for `$FASTSAFETENSORS_MAX_MEMORY` or the default) of buffers.
+        /// most `max_memory` ("" for `$FASTSAFETENSORS_MAX_MEMORY` or the default) of buffers,
+        /// cast as `dtype` (torch's name, "" for none) says.
         fn open_stream(
             paths: &Vec<String>,
             reader: &str,
             selection: &TensorSelection,
             max_memory: &str,
+            dtype: &str,
         ) -> Result<Box<TensorStream>>;
         /// Waits for the next group of tensors; false after the last.
         fn next_group(self: &mut TensorStream) -> Result<bool>;
@@ -160,26 +212,31 @@ mod ffi {
             reader: &str,
             selection: &TensorSelection,
             max_memory: &str,
+            dtype: &str,
             ordinal: usize,
         ) -> Result<Box<DeviceTensorStream>>;
         fn group_count(self: &DeviceTensorStream) -> usize;
-        /// Device memory the groups submitted ahead may take together (`u64::MAX`: no limit).
-        fn budget(self: &DeviceTensorStream) -> u64;
+        /// The groups to submit now that group `k` is asked for, in order: `k` itself if it
+        /// has not been, and those after it that fit the budget beside the groups submitted
+        /// and not handed out (at least the next, so that one copy runs while the caller
+        /// works).
+        fn submissions(self: &mut DeviceTensorStream, k: usize) -> Vec<usize>;
         /// Bytes to allocate for group `k`.
         fn alloc_len(self: &DeviceTensorStream, k: usize) -> Result<usize>;
         /// Group `k`'s tensors: offsets from where the group's first byte lands.
         fn group_specs(self: &DeviceTensorStream, k: usize) -> Result<Vec<TensorSpec>>;
-        /// Index and path of the file group `k` is read from.
-        fn group_file(self: &DeviceTensorStream, k: usize) -> Result<i64>;
-        fn group_path(self: &DeviceTensorStream, k: usize) -> Result<String>;
+        /// How the group handed out last was read ("" before the first), and the index (-1
+        /// before the first) and path of its file.
+        fn group_read_path(self: &DeviceTensorStream) -> &str;
+        fn group_file(self: &DeviceTensorStream) -> i64;
+        fn group_path(self: &DeviceTensorStream) -> String;
         fn submit(self: &DeviceTensorStream, k: usize, base: u64, ready: u64) -> Result<()>;
         /// Waits for group `k`'s copy: how it was read and where in its allocation it landed.
-        fn wait(self: &DeviceTensorStream, k: usize) -> Result<FileCopy>;
+        /// The group is handed out: its memory no longer counts against the budget.
+        fn wait(self: &mut DeviceTensorStream, k: usize) -> Result<FileCopy>;
         fn tensor_count(self: &DeviceTensorStream) -> usize;
         fn byte_count(self: &DeviceTensorStream) -> u64;
 
-        /// Number of CUDA devices; an error naming the reason when there is no driver.
-        fn cuda_device_count() -> Result<usize>;
         /// Reads and validates one file's header without reading its data.
         fn read_header(path: &str) -> Result<HeaderSpec>;
         /// Fraction of the file's pages in the page cache (what `auto` decides by).
@@ -190,24 +247,42 @@ mod ffi {
     }
 }
 
-use ffi::{CheckpointSpec, FileCopy, HeaderSpec, MetadataEntry, TensorSelection, TensorSpec};
+use ffi::{
+    CheckpointSpec, DeviceSpec, FileCopy, HeaderSpec, HeaderTensor, MetadataEntry, Route, TensorSelection, TensorSpec,
+};
 
 pub struct PlannedFiles {
     planned: Planned,
-    specs: Vec<TensorSpec>,
+    target: Target,
+    route: Route,
+    cast: Option<Dtype>,
+    /// For `Route::Device`: what becomes of each tensor, in `planned.tensors` order.
+    outputs: Vec<Output>,
 }
 
 pub struct LoadedFiles {
     loaded: Loaded,
     specs: Vec<TensorSpec>,
+    /// The loader's references on the buffers, until handed over.
+    buffers: Vec<Option<Arc<HostBuffer>>>,
 }
 
 pub struct BufferRef(Arc<HostBuffer>);
 
-pub struct DeviceTensorStream(Copier);
+pub struct DeviceTensorStream {
+    copier: Copier,
+    cast: Option<Dtype>,
+    /// Groups below `ahead` have been submitted, in order; `in_flight` bytes are allocated
+    /// for those not handed out yet.
+    ahead: usize,
+    in_flight: u64,
+    /// The group handed out last, and how it was read.
+    last: Option<(usize, ReadPath)>,
+}
 
 pub struct TensorStream {
     stream: stream::TensorStream,
+    cast: Option<Dtype>,
     group: Option<Group>,
     specs: Vec<TensorSpec>,
 }
@@ -217,44 +292,52 @@ fn guard<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
     catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|payload| Err(Error::from_panic(payload)))
 }
 
-/// The spec of tensor `t`, which starts at `offset` in buffer `buffer`. Takes the name from
-/// `name` (moved, not copied, where the placement is not needed any more).
-fn spec_at(t: &Placement, name: String, buffer: usize, offset: u64) -> Result<TensorSpec> {
-    let shape = t
-        .shape
-        .iter()
-        .map(|&d| {
-            i64::try_from(d)
-                .map_err(|_| Error::InvalidArgument(format!("tensor '{name}': dimension {d} does not fit in i64")))
-        })
-        .collect::<Result<_>>()?;
-    Ok(TensorSpec {
+/// The spec of tensor `t`, which starts at `offset` in buffer `buffer` and becomes `output`.
+/// Takes the name from `name` (moved, not copied, where the placement is not needed any more).
+/// `t` has passed [`target::check_torch_can_hold`].
+fn spec_at(t: &Placement, name: String, buffer: usize, offset: u64, output: Output) -> TensorSpec {
+    TensorSpec {
         name,
         dtype: t.dtype.name().to_owned(),
-        shape,
+        shape: target::torch_shape(t),
         buffer,
         offset: offset as usize,
         nbytes: t.nbytes as usize,
-        aligned: t.aligned,
-    })
+        copy: output.copy,
+        cast: output.cast.map_or_else(String::new, |d| d.name().to_owned()),
+    }
 }
 
-/// Specs of tensors read as whole files: buffer `i` is file `i`, offsets are file offsets.
-fn specs(tensors: &[Placement]) -> Result<Vec<TensorSpec>> {
-    tensors.iter().map(|t| spec_at(t, t.name.clone(), t.file, t.offset)).collect()
+/// Fails, before anything is read, on a selected tensor torch cannot hold.
+fn check_torch(planned: &Planned) -> Result<()> {
+    planned.tensors.iter().try_for_each(|t| target::check_torch_can_hold(planned.sources[t.file].path(), t))
+}
+
+/// Whether a buffer read this way is memory of its own, freed with its last tensor (a mapping
+/// is page cache: its views stay views).
+fn owns_memory(path: ReadPath) -> bool {
+    !matches!(path, ReadPath::Mmap | ReadPath::MmapFallback)
 }
 
 /// Specs of loaded tensors: buffer `k` is extent `k`. The names move into the specs: only
-/// the buffers of `loaded` are used afterwards.
-fn loaded_specs(loaded: &mut Loaded) -> Result<Vec<TensorSpec>> {
+/// the buffers of `loaded` are used afterwards. `copy_out`: whether a cast in a buffer of its
+/// own copies the buffer's other tensors out of it.
+fn loaded_specs(loaded: &mut Loaded, cast: Option<Dtype>, copy_out: bool) -> Vec<TensorSpec> {
+    let mut buffers = vec![0; loaded.tensors.len()];
+    for (k, e) in loaded.extents.iter().enumerate() {
+        buffers[e.tensors.clone()].fill(k);
+    }
+    let owned: Vec<bool> = loaded.buffers.iter().map(|b| copy_out && owns_memory(b.read_path())).collect();
+    let outputs = target::outputs(&loaded.tensors, &buffers, cast, |k| owned[k]);
     let mut out = Vec::with_capacity(loaded.tensors.len());
     for (k, e) in loaded.extents.iter().enumerate() {
-        for t in &mut loaded.tensors[e.tensors.clone()] {
+        for i in e.tensors.clone() {
+            let t = &mut loaded.tensors[i];
             let name = std::mem::take(&mut t.name);
-            out.push(spec_at(t, name, k, e.offset_of(t))?);
+            out.push(spec_at(t, name, k, e.offset_of(t), outputs[i]));
         }
     }
-    Ok(out)
+    out
 }
 
 impl TensorSelection {
@@ -281,9 +364,11 @@ fn plan(paths: &[String]) -> Result<Planned> {
     Ok(planned)
 }
 
-/// The plan of `paths` narrowed to what `selection` picks.
+/// The plan of `paths` narrowed to what `selection` picks, every tensor one torch can hold.
 fn plan_selected(paths: &[String], selection: &TensorSelection) -> Result<Planned> {
-    plan(paths)?.select(&selection.to_selection()?)
+    let planned = plan(paths)?.select(&selection.to_selection()?)?;
+    check_torch(&planned)?;
+    Ok(planned)
 }
 
 /// The options of a stream: the reader and the `max_memory` budget ("" for the default).
@@ -311,28 +396,99 @@ impl From<DeviceCopy> for FileCopy {
     }
 }
 
-impl LoadedFiles {
-    fn new(mut loaded: Loaded) -> Result<Box<LoadedFiles>> {
-        let specs = loaded_specs(&mut loaded)?;
-        Ok(Box::new(LoadedFiles { loaded, specs }))
+impl From<&Target> for DeviceSpec {
+    fn from(target: &Target) -> DeviceSpec {
+        let index = match target {
+            Target::Cpu | Target::Cuda(None) => -1,
+            Target::Cuda(Some(i)) => i64::from(*i),
+        };
+        DeviceSpec { cuda: *target != Target::Cpu, index, name: target.name() }
     }
 }
 
-fn plan_files(paths: &Vec<String>, selection: &TensorSelection) -> Result<Box<PlannedFiles>> {
+/// The device `device` names and the cast `dtype` asks for, checked; for CUDA, a clear error
+/// at once on machines without a driver or a device.
+fn target_and_cast(device: &str, dtype: &str) -> Result<(Target, Option<Dtype>)> {
+    let target = Target::parse(device)?;
+    let cast = target::cast_target(dtype)?;
+    if target != Target::Cpu {
+        let unavailable = |reason| Error::DeviceUnavailable { device: target.name(), reason };
+        match driver::device_count() {
+            Ok(0) => return Err(unavailable("CUDA: no CUDA device is visible".to_owned())),
+            Ok(_) => {}
+            Err(e) => return Err(unavailable(e.to_string())),
+        }
+    }
+    Ok((target, cast))
+}
+
+fn parse_device(device: &str) -> Result<DeviceSpec> {
+    guard(|| Ok(DeviceSpec::from(&Target::parse(device)?)))
+}
+
+fn check_target(device: &str, dtype: &str) -> Result<DeviceSpec> {
+    guard(|| Ok(DeviceSpec::from(&target_and_cast(device, dtype)?.0)))
+}
+
+fn plan_load(paths: &Vec<String>, selection: &TensorSelection, device: &str, dtype: &str) -> Result<Box<PlannedFiles>> {
     guard(|| {
+        let (target, cast) = target_and_cast(device, dtype)?;
+        let route = match (&target, selection.filtered) {
+            (Target::Cpu, _) => Route::Host,
+            // A selection on CUDA: only the selected bytes are read, into host memory.
+            (_, true) => Route::HostThenDevice,
+            (_, false) => Route::Device,
+        };
         let planned = plan_selected(paths, selection)?;
-        let specs = specs(&planned.tensors)?;
-        Ok(Box::new(PlannedFiles { planned, specs }))
+        let outputs = if route == Route::Device {
+            let files: Vec<usize> = planned.tensors.iter().map(|t| t.file).collect();
+            target::outputs(&planned.tensors, &files, cast, |_| true)
+        } else {
+            Vec::new()
+        };
+        Ok(Box::new(PlannedFiles { planned, target, route, cast, outputs }))
     })
 }
 
 impl PlannedFiles {
-    fn tensors(&self) -> &Vec<TensorSpec> {
-        &self.specs
+    fn target(&self) -> DeviceSpec {
+        DeviceSpec::from(&self.target)
+    }
+
+    fn route(&self) -> Route {
+        self.route
     }
 
     fn file_count(&self) -> usize {
         self.planned.sources.len()
+    }
+
+    /// Without a cast every tensor stays a view of its file's buffer, and all files are read in
+    /// one go, overlapping. With one, file by file: each file's buffer is freed (its tensors
+    /// cast or copied out) before the next one is allocated.
+    fn device_group_count(&self) -> usize {
+        match self.planned.sources.len() {
+            n if n > 0 && self.cast.is_some() => n,
+            _ => 1,
+        }
+    }
+
+    fn device_group_files(&self, group: usize) -> Vec<usize> {
+        match self.planned.sources.len() {
+            n if n > 0 && self.cast.is_some() => vec![group],
+            n => (0..n).collect(),
+        }
+    }
+
+    fn device_group_specs(&self, group: usize) -> Vec<TensorSpec> {
+        let files = self.device_group_files(group);
+        let tensors = self.planned.tensors.iter().zip(&self.outputs);
+        tensors
+            .filter_map(|(t, &output)| {
+                let at = files.iter().position(|&f| f == t.file)?;
+                Some(spec_at(t, t.name.clone(), at, t.offset, output))
+            })
+            .collect()
     }
 
     fn device_alloc_len(&self, index: usize) -> usize {
@@ -373,20 +529,30 @@ fn release_staging_buffers() -> usize {
 }
 
 fn read_to_host(planned: Box<PlannedFiles>, reader: &str) -> Result<Box<LoadedFiles>> {
-    guard(|| LoadedFiles::new(planned.planned.read_to_host(&load_options(reader)?)?))
+    guard(|| {
+        let PlannedFiles { planned, route, cast, .. } = *planned;
+        let loaded = planned.read_to_host(&load_options(reader)?)?;
+        // Moved to the device afterwards, tensors are copied there anyway: none is copied out.
+        Ok(LoadedFiles::new(loaded, cast, route == Route::Host))
+    })
 }
 
-fn load_rows(path: &str, name: &str, start: u64, stop: u64, reader: &str) -> Result<Box<LoadedFiles>> {
+fn load_rows(path: &str, name: &str, start: i64, stop: i64, reader: &str) -> Result<Box<LoadedFiles>> {
     guard(|| {
+        let (Ok(start), Ok(stop)) = (u64::try_from(start), u64::try_from(stop)) else {
+            return Err(Error::InvalidArgument(format!("rows [{start}, {stop}) of '{name}': negative row index")));
+        };
         let exact = TensorFilter::new(MatchMode::Exact, &[name])?;
         let selection = Selection { filter: Some(exact), rows: vec![RowRange { name: name.to_owned(), start, stop }] };
         checkpoint::check_single_file(Path::new(path))?;
-        LoadedFiles::new(plan(&[path.to_owned()])?.select(&selection)?.read_to_host(&load_options(reader)?)?)
+        let planned = plan(&[path.to_owned()])?.select(&selection)?;
+        check_torch(&planned)?;
+        Ok(LoadedFiles::new(planned.read_to_host(&load_options(reader)?)?, None, false))
     })
 }
 
 fn selected_names(paths: &Vec<String>, selection: &TensorSelection) -> Result<Vec<String>> {
-    guard(|| Ok(plan_selected(paths, selection)?.tensors.into_iter().map(|t| t.name).collect()))
+    guard(|| Ok(plan(paths)?.select(&selection.to_selection()?)?.tensors.into_iter().map(|t| t.name).collect()))
 }
 
 fn open_stream(
@@ -394,10 +560,12 @@ fn open_stream(
     reader: &str,
     selection: &TensorSelection,
     max_memory: &str,
+    dtype: &str,
 ) -> Result<Box<TensorStream>> {
     guard(|| {
+        let cast = target::cast_target(dtype)?;
         let stream = stream::TensorStream::open(plan_selected(paths, selection)?, stream_options(reader, max_memory)?)?;
-        Ok(Box::new(TensorStream { stream, group: None, specs: Vec::new() }))
+        Ok(Box::new(TensorStream { stream, cast, group: None, specs: Vec::new() }))
     })
 }
 
@@ -406,22 +574,24 @@ fn open_device_stream(
     reader: &str,
     selection: &TensorSelection,
     max_memory: &str,
+    dtype: &str,
     ordinal: usize,
 ) -> Result<Box<DeviceTensorStream>> {
     guard(|| {
+        let cast = target::cast_target(dtype)?;
         let stream = DeviceStream::open(plan_selected(paths, selection)?, &stream_options(reader, max_memory)?)?;
         let copier = Copier::start(stream, move |ready| {
             // SAFETY: the extension keeps the event alive until it has waited for this copy.
             let ready = unsafe { ready_event(ready) };
             Ok(Box::new(CudaDevice::new(Context::primary(ordinal)?, ready)?))
         })?;
-        Ok(Box::new(DeviceTensorStream(copier)))
+        Ok(Box::new(DeviceTensorStream { copier, cast, ahead: 0, in_flight: 0, last: None }))
     })
 }
 
 impl DeviceTensorStream {
     fn stream(&self) -> &DeviceStream {
-        self.0.stream()
+        self.copier.stream()
     }
 
     fn check(&self, k: usize) -> Result<()> {
@@ -437,8 +607,26 @@ impl DeviceTensorStream {
         self.stream().group_count()
     }
 
-    fn budget(&self) -> u64 {
-        self.stream().budget()
+    fn submissions(&mut self, k: usize) -> Vec<usize> {
+        let stream = self.copier.stream();
+        let count = stream.group_count();
+        let mut out = Vec::new();
+        if k >= count {
+            return out;
+        }
+        if k >= self.ahead {
+            out.push(k);
+            self.in_flight += stream.alloc_len(k);
+            self.ahead = k + 1;
+        }
+        while self.ahead < count
+            && (self.ahead == k + 1 || self.in_flight + stream.alloc_len(self.ahead) <= stream.budget())
+        {
+            out.push(self.ahead);
+            self.in_flight += stream.alloc_len(self.ahead);
+            self.ahead += 1;
+        }
+        out
     }
 
     fn alloc_len(&self, k: usize) -> Result<usize> {
@@ -449,24 +637,36 @@ impl DeviceTensorStream {
         guard(|| {
             self.check(k)?;
             let stream = self.stream();
-            stream.tensors(k).iter().map(|t| spec_at(t, t.name.clone(), 0, stream.offset_of(k, t))).collect()
+            let tensors = stream.tensors(k);
+            let outputs = target::outputs(tensors, &vec![0; tensors.len()], self.cast, |_| true);
+            let specs = tensors.iter().zip(outputs);
+            Ok(specs.map(|(t, output)| spec_at(t, t.name.clone(), 0, stream.offset_of(k, t), output)).collect())
         })
     }
 
-    fn group_file(&self, k: usize) -> Result<i64> {
-        guard(|| self.check(k).map(|()| self.stream().file(k).0 as i64))
+    fn group_read_path(&self) -> &str {
+        self.last.map_or("", |(_, path)| path.name())
     }
 
-    fn group_path(&self, k: usize) -> Result<String> {
-        guard(|| self.check(k).map(|()| self.stream().file(k).1.display().to_string()))
+    fn group_file(&self) -> i64 {
+        self.last.map_or(-1, |(k, _)| self.stream().file(k).0 as i64)
+    }
+
+    fn group_path(&self) -> String {
+        self.last.map_or_else(String::new, |(k, _)| self.stream().file(k).1.display().to_string())
     }
 
     fn submit(&self, k: usize, base: u64, ready: u64) -> Result<()> {
-        guard(|| self.0.submit(k, base, ready))
+        guard(|| self.copier.submit(k, base, ready))
     }
 
-    fn wait(&self, k: usize) -> Result<FileCopy> {
-        guard(|| Ok(self.0.wait(k)?.into()))
+    fn wait(&mut self, k: usize) -> Result<FileCopy> {
+        guard(|| {
+            let copy = self.copier.wait(k)?;
+            self.in_flight = self.in_flight.saturating_sub(self.copier.stream().alloc_len(k));
+            self.last = Some((k, copy.path));
+            Ok(copy.into())
+        })
     }
 
     fn tensor_count(&self) -> usize {
@@ -484,10 +684,12 @@ impl TensorStream {
             self.group = None;
             self.specs.clear();
             let Some(mut group) = self.stream.next_group()? else { return Ok(false) };
+            let copy_out = owns_memory(group.read_path);
+            let outputs = target::outputs(&group.tensors, &vec![0; group.tensors.len()], self.cast, |_| copy_out);
             let mut specs = Vec::with_capacity(group.tensors.len());
-            for t in &mut group.tensors {
+            for (t, output) in group.tensors.iter_mut().zip(outputs) {
                 let name = std::mem::take(&mut t.name);
-                specs.push(spec_at(t, name, 0, t.offset - group.start)?);
+                specs.push(spec_at(t, name, 0, t.offset - group.start, output));
             }
             self.specs = specs;
             self.group = Some(group);
@@ -528,6 +730,12 @@ impl TensorStream {
 }
 
 impl LoadedFiles {
+    fn new(mut loaded: Loaded, cast: Option<Dtype>, copy_out: bool) -> Box<LoadedFiles> {
+        let specs = loaded_specs(&mut loaded, cast, copy_out);
+        let buffers = std::mem::take(&mut loaded.buffers).into_iter().map(Some).collect();
+        Box::new(LoadedFiles { loaded, specs, buffers })
+    }
+
     fn tensors(&self) -> &Vec<TensorSpec> {
         &self.specs
     }
@@ -537,15 +745,14 @@ impl LoadedFiles {
     }
 
     fn buffer_count(&self) -> usize {
-        self.loaded.buffers.len()
+        self.buffers.len()
     }
 
-    fn buffer(&self, index: usize) -> Box<BufferRef> {
-        Box::new(BufferRef(Arc::clone(&self.loaded.buffers[index])))
-    }
-
-    fn buffer_file(&self, index: usize) -> usize {
-        self.loaded.extents[index].file
+    fn take_buffer(&mut self, index: usize) -> Result<Box<BufferRef>> {
+        guard(|| match self.buffers.get_mut(index).and_then(Option::take) {
+            Some(buffer) => Ok(Box::new(BufferRef(buffer))),
+            None => Err(Error::InvalidArgument(format!("buffer {index} was handed over already, or is not there"))),
+        })
     }
 }
 
@@ -553,10 +760,6 @@ impl BufferRef {
     fn address(&self) -> usize {
         self.0.as_ptr() as usize
     }
-}
-
-fn cuda_device_count() -> Result<usize> {
-    guard(driver::device_count)
 }
 
 fn resident_fraction(path: &str) -> Result<f64> {
@@ -580,7 +783,26 @@ fn read_header(path: &str) -> Result<HeaderSpec> {
         let path = PathBuf::from(path);
         checkpoint::check_single_file(&path)?;
         let header = load::read_header(&path)?;
-        let placements = plan::place(std::slice::from_ref(&path), std::slice::from_ref(&header))?;
+        // The same checks across the file's tensors as a load makes.
+        plan::place(std::slice::from_ref(&path), std::slice::from_ref(&header))?;
+        let tensors = header
+            .tensors
+            .iter()
+            .map(|t| {
+                let shape = t.shape.iter().map(|&d| {
+                    i64::try_from(d).map_err(|_| Error::Unrepresentable {
+                        path: path.clone(),
+                        name: t.name.clone(),
+                        why: format!("dimension {d} does not fit in i64"),
+                    })
+                });
+                Ok(HeaderTensor {
+                    name: t.name.clone(),
+                    dtype: t.dtype.name().to_owned(),
+                    shape: shape.collect::<Result<_>>()?,
+                })
+            })
+            .collect::<Result<_>>()?;
         Ok(HeaderSpec {
             has_metadata: header.metadata.is_some(),
             metadata: header
@@ -589,7 +811,7 @@ fn read_header(path: &str) -> Result<HeaderSpec> {
                 .into_iter()
                 .map(|(key, value)| MetadataEntry { key, value })
                 .collect(),
-            tensors: specs(&placements)?,
+            tensors,
         })
     })
 }

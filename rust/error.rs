@@ -61,6 +61,18 @@ pub enum Error {
     /// An option the loader does not know.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// `device=` names no device, or one this loader does not load to.
+    #[error("fastsafetensors: cannot load to device '{device}'{why}")]
+    InvalidDevice { device: String, why: &'static str },
+    /// The target device cannot be used (no driver, no device).
+    #[error("fastsafetensors: cannot load to {device}: {reason}")]
+    DeviceUnavailable { device: String, reason: String },
+    /// `dtype=` names a type the loader does not cast to.
+    #[error("fastsafetensors: dtype={dtype} is not supported: dtype= casts floating-point tensors (F16, BF16, F32, F64) to torch.float16, torch.bfloat16, torch.float32 or torch.float64 and leaves the others as stored; convert to {dtype} yourself (tensor.to({dtype})) if that is what you want")]
+    UnsupportedCast { dtype: String },
+    /// A tensor torch has no way to hold.
+    #[error("{}: tensor '{name}': {why}", .path.display())]
+    Unrepresentable { path: PathBuf, name: String, why: String },
     /// A panic inside the loader, caught before it could cross the FFI boundary. Always a bug.
     #[error("internal error (please report): {0}")]
     Panic(String),
