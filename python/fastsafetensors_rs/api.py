@@ -273,9 +273,11 @@ def stream(
 
 class TensorIterator:
     """The iterator `stream` returns: `(name, tensor)` pairs, and how many tensors and bytes
-    there are in all (`tensor_count`, `byte_count`). `close()` (or dropping it) stops the reads."""
+    there are in all (`tensor_count`, `byte_count`). `close()` (or dropping it) stops the reads.
+    Threads may share one: each tensor goes to exactly one of them."""
 
     def __init__(self, handle):
+        self._lock = threading.Lock()
         self._handle = handle
         self._reported: set = set()
         self._names: List[str] = []
@@ -288,13 +290,17 @@ class TensorIterator:
         return self
 
     def __next__(self) -> Tuple[str, torch.Tensor]:
+        with self._lock:
+            return self._take()
+
+    def _take(self) -> Tuple[str, torch.Tensor]:
         while self._next == len(self._names):
             group = None
             if self._handle is not None:
                 with _gc_paused():
                     group = self._handle.next()
             if group is None:
-                self.close()
+                self._drop()
                 raise StopIteration
             self._names, self._tensors = group
             self._next = 0
@@ -317,7 +323,12 @@ class TensorIterator:
         logger.debug("%s: read with %s", path, how)
 
     def close(self) -> None:
-        """Stops the reads still going on and drops what was read but not handed out."""
+        """Stops the reads still going on and drops what was read but not handed out (after
+        the group another thread is waiting for, if any, has arrived)."""
+        with self._lock:
+            self._drop()
+
+    def _drop(self) -> None:
         self._handle = None
         self._names, self._tensors, self._next = [], [], 0
 

@@ -199,6 +199,41 @@ def test_get_tensor_streams_the_file_once_for_many_threads(tmp_path, monkeypatch
         assert torch.equal(results[f"w{i}"], torch.full((4096,), float(i)))
 
 
+@pytest.mark.parametrize("source", ["stream", "safe_open.tensors"])
+def test_one_iterator_shared_by_threads_hands_out_each_tensor_once(tmp_path, source):
+    """Threads taking turns on one iterator get every tensor exactly once between them, and
+    none of them fails, as with any iterator shared under a lock."""
+    import threading
+
+    path = U.write_checkpoint(tmp_path / "med.safetensors",
+                              {f"t{i:02d}": torch.full((64 * 1024,), i, dtype=torch.uint8) for i in range(64)})
+    for _ in range(5):
+        if source == "stream":
+            it = fastsafetensors_rs.stream(path, max_memory="1M")
+        else:
+            it = fastsafetensors_rs.safe_open(path, max_memory="1M").tensors()
+        got, errors = [], []
+        start = threading.Barrier(4)
+
+        def consume():
+            start.wait()
+            try:
+                for name, t in it:
+                    assert torch.equal(t, torch.full((64 * 1024,), int(name[1:]), dtype=torch.uint8)), name
+                    got.append(name)
+            except Exception as e:  # reported below: no thread may fail
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=consume) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert sorted(got) == [f"t{i:02d}" for i in range(64)]
+        assert next(it, None) is None  # exhausted for every thread
+
+
 # ---------------------------------------------------------------- rows
 
 
