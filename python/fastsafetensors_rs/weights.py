@@ -49,7 +49,7 @@ def _reader_reason(reader: Optional[str]) -> str:
 
 
 def weights_iterator(
-    files: Iterable[PathLike],
+    files: Union[PathLike, Iterable[PathLike]],
     use_tqdm_on_load: Optional[bool] = None,
     *,
     device: Device = "cpu",
@@ -64,7 +64,8 @@ def weights_iterator(
     """Yields `(name, tensor)` for every tensor (or the selected ones) of `files`, file by file.
 
     Args:
-        files: the `.safetensors` files, read in this order (e.g. the shards of one model).
+        files: the `.safetensors` files, read in this order (e.g. the shards of one model),
+            or one file.
         use_tqdm_on_load: a progress bar (bytes) on stderr (shown for loads longer than a
             second). None (default) means off unless `$FASTSAFETENSORS_PROGRESS=1`; the
             position matches vLLM's iterators, which take it second.
@@ -82,7 +83,7 @@ def weights_iterator(
 
     A file that cannot be read raises `RuntimeError` naming it.
     """
-    paths: List[str] = [os.fspath(f) for f in files]
+    paths: List[str] = api._paths(files)
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     show = progress_enabled(use_tqdm_on_load, default=False)
