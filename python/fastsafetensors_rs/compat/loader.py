@@ -197,7 +197,7 @@ class SafeTensorsFileLoader:
             hints.append(dist.get_rank())
         self.device: torch.device = resolve_device(device, hints)
         self.nogds = nogds
-        self.reader = reader
+        self.reader = _api._reader(reader)
         self._headers: Dict[str, _Header] = {}
         self._owner_of: Dict[str, str] = {}  # tensor name -> path
 
