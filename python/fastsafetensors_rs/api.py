@@ -37,7 +37,7 @@ from .progress import progress_from_env
 
 logger = logging.getLogger("fastsafetensors_rs")
 
-PathLike = Union[str, os.PathLike]
+PathLike = Union[str, bytes, os.PathLike]
 Device = Union[str, int, torch.device]
 TensorFilter = Union[None, str, Iterable[str], Callable[[str], bool]]
 
@@ -115,10 +115,24 @@ def check_settings() -> None:
     progress_from_env()
 
 
+def _path(path: PathLike) -> str:
+    """One path argument as the ops take it: a str (bytes and os.PathLike decoded as
+    `os.fsdecode` does), which must be UTF-8: ValueError naming any other, in one line."""
+    path = os.fsdecode(path)
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = os.fsencode(path).decode("utf-8", "backslashreplace")
+        raise ValueError(f"{shown}: the path is not UTF-8, and fastsafetensors_rs takes UTF-8 paths only: "
+                         "rename the file, or link to it under a UTF-8 name") from None
+    return path
+
+
 def _paths(files: Union[PathLike, Iterable[PathLike]]) -> List[str]:
-    if isinstance(files, (str, os.PathLike)):
+    """A path, or several, as a list of `_path`s."""
+    if isinstance(files, (str, bytes, os.PathLike)):
         files = [files]
-    return [os.fspath(f) for f in files]
+    return [_path(f) for f in files]
 
 
 def _filter_args(tensor_filter: TensorFilter, mode: str, paths: Sequence[str]) -> Tuple[Optional[List[str]], str]:

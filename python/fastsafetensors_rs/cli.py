@@ -59,14 +59,21 @@ class Checkpoint:
 
 def expand_paths(paths: Sequence[str]) -> List[Checkpoint]:
     """Turns files, directories and index files into checkpoints by the loader's own rule
-    (`fastsafetensors_rs.load` resolves a directory or an index the same way)."""
+    (`fastsafetensors_rs.load` resolves a directory or an index the same way). A path the
+    loader refuses to take (not UTF-8) is a problem of its own checkpoint, with the loader's
+    message; the others are still looked at."""
     out = []
     for path in paths:
         try:
-            files, index, problems = ops.checkpoint(str(path))
+            path = api._path(path)
+        except ValueError as e:
+            out.append(Checkpoint(os.fsencode(path).decode("utf-8", "backslashreplace"), problems=[str(e)]))
+            continue
+        try:
+            files, index, problems = ops.checkpoint(path)
         except RuntimeError as e:
             raise UsageError(str(e)) from None
-        out.append(Checkpoint(str(path), list(files), index, list(problems)))
+        out.append(Checkpoint(path, list(files), index, list(problems)))
     return out
 
 
