@@ -99,6 +99,10 @@ def describe_file(path: str) -> Dict[str, Any]:
     except (OSError, RuntimeError) as e:
         info["error"] = str(e)
         return info
+    for name, dtype in zip(names, dtypes):
+        if dtype not in DTYPES:  # a dtype of the format that torch has no dtype for
+            info["error"] = f"{path}: tensor '{name}': dtype {dtype} has no torch equivalent"
+            return info
     tensors = []
     by_dtype: Dict[str, Dict[str, int]] = {}
     for name, dtype, shape in zip(names, dtypes, shapes):

@@ -113,6 +113,26 @@ def test_inspect_reports_an_invalid_file(capsys, model_dir, tmp_path):
     assert rc == 1 and "INVALID" in out
 
 
+@pytest.mark.parametrize("dtype", ["F6_E2M3", "F6_E3M2"])
+def test_a_dtype_torch_lacks_is_one_line_and_the_other_files_are_still_reported(capsys, model_dir, tmp_path, dtype):
+    """The format knows the dtype (the header is valid), torch has none to load it into."""
+    d = _copy(model_dir[0], tmp_path / "with_f6")
+    (d / "model.safetensors.index.json").unlink()
+    f6 = U.write_raw(d / "model-00000-f6.safetensors", {"w": {"dtype": dtype, "shape": [4], "data_offsets": [0, 3]}},
+                     b"\0" * 3)
+    line = f"{f6}: tensor 'w': dtype {dtype} has no torch equivalent"
+    for command in ("inspect", "verify"):
+        rc, out, err = run(capsys, command, "--no-progress", d)
+        assert rc == 1 and err == "", err
+        assert out.count(line) == 1 and "Traceback" not in out, out
+        assert out.count("\n    ") >= 1 and "model-00002-of-00002.safetensors" in out
+        rc, doc, _ = run_json(capsys, command, d)
+        assert rc == 1 and doc["valid"] is False
+        by_path = {f["path"]: f for f in doc["files"]}
+        assert by_path[str(f6)]["valid"] is False and by_path[str(f6)]["error"] == line
+        assert len(by_path) == 3 and all(f["valid"] for p, f in by_path.items() if p != str(f6))
+
+
 def test_same_names_in_separate_checkpoints_are_fine(capsys, model_dir, tmp_path):
     d, _ = model_dir
     other = _copy(d, tmp_path / "copy")
