@@ -20,9 +20,11 @@ headers and selects exactly the names it returns true for.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import os
+import re
 import threading
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -35,14 +37,17 @@ from .progress import progress_from_env
 
 logger = logging.getLogger("fastsafetensors_rs")
 
-PathLike = Union[str, os.PathLike]
+PathLike = Union[str, bytes, os.PathLike]
 Device = Union[str, int, torch.device]
 TensorFilter = Union[None, str, Iterable[str], Callable[[str], bool]]
 
 __all__ = ["load", "load_file", "release_staging_buffers", "safe_open", "stream"]
 
 MATCH_MODES = ("glob", "regex", "exact")
+READERS = ("auto", "direct", "mmap")
 ENV_MAX_MEMORY = "FASTSAFETENSORS_MAX_MEMORY"
+SIZE = "bytes with an optional K/M/G/T suffix (e.g. 64G), or 'unlimited'"
+_U64_MAX = 2**64 - 1
 
 
 # ------------------------------------------------------------------ arguments
@@ -63,6 +68,45 @@ def _device_name(device: Device) -> str:
         raise ValueError(str(e)) from None
 
 
+def _reader(reader: Optional[str]) -> Optional[str]:
+    """The `reader=` argument, checked when the function taking it is called."""
+    if reader is None:
+        return None
+    if not isinstance(reader, str):
+        raise TypeError(f"reader must be a string or None, not {type(reader).__name__}")
+    if reader not in READERS:
+        raise ValueError(f"reader={reader!r} is not valid: expected 'auto', 'direct' or 'mmap' "
+                         "(or None: $FASTSAFETENSORS_READER, else 'auto')")
+    return reader
+
+
+def _nogds(nogds: Optional[bool]) -> Optional[bool]:
+    if nogds is not None and not isinstance(nogds, bool):
+        raise TypeError(f"nogds must be True, False or None, not {type(nogds).__name__}")
+    return nogds
+
+
+_INVALID_ARGUMENT = "invalid argument: "
+
+
+def _argument_errors(function):
+    """Raises the op's own refusals of an argument (a `max_memory` size, a regex pattern, a
+    row range), which reach Python as RuntimeError("invalid argument: ..."), as ValueError:
+    what Python's own argument checks raise. Errors about files stay as they are."""
+
+    @functools.wraps(function)
+    def checked(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except RuntimeError as e:
+            message = str(e)
+            if not message.startswith(_INVALID_ARGUMENT):
+                raise
+            raise ValueError(message[len(_INVALID_ARGUMENT):]) from None
+
+    return checked
+
+
 def check_settings() -> None:
     """Raises ValueError naming a malformed `FASTSAFETENSORS_LOG` or `_PROGRESS`. Every load
     runs it, as the core checks its own settings (`_READER`, `_THREADS`, `_MAX_HOST_MEMORY`,
@@ -71,10 +115,24 @@ def check_settings() -> None:
     progress_from_env()
 
 
+def _path(path: PathLike) -> str:
+    """One path argument as the ops take it: a str (bytes and os.PathLike decoded as
+    `os.fsdecode` does), which must be UTF-8: ValueError naming any other, in one line."""
+    path = os.fsdecode(path)
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = os.fsencode(path).decode("utf-8", "backslashreplace")
+        raise ValueError(f"{shown}: the path is not UTF-8, and fastsafetensors_rs takes UTF-8 paths only: "
+                         "rename the file, or link to it under a UTF-8 name") from None
+    return path
+
+
 def _paths(files: Union[PathLike, Iterable[PathLike]]) -> List[str]:
-    if isinstance(files, (str, os.PathLike)):
+    """A path, or several, as a list of `_path`s."""
+    if isinstance(files, (str, bytes, os.PathLike)):
         files = [files]
-    return [os.fspath(f) for f in files]
+    return [_path(f) for f in files]
 
 
 def _filter_args(tensor_filter: TensorFilter, mode: str, paths: Sequence[str]) -> Tuple[Optional[List[str]], str]:
@@ -95,15 +153,40 @@ def _filter_args(tensor_filter: TensorFilter, mode: str, paths: Sequence[str]) -
     return patterns, mode
 
 
+_SIZE_SHIFTS = {"": 0, "b": 0, "k": 10, "kb": 10, "kib": 10, "m": 20, "mb": 20, "mib": 20, "g": 30, "gb": 30,
+                "gib": 30, "t": 40, "tb": 40, "tib": 40}
+
+
+def _is_size(text: str) -> bool:
+    """Whether the loader takes `text` as a size: "unlimited", or a whole number of bytes with
+    an optional unit (K, M, G, T in any case, with or without B / iB) that fits in 64 bits."""
+    text = text.strip()
+    if text.lower() == "unlimited":
+        return True
+    number = re.fullmatch(r"([0-9]+)(.*)", text, re.DOTALL)
+    if number is None or number[2].strip().lower() not in _SIZE_SHIFTS:
+        return False
+    return int(number[1]) << _SIZE_SHIFTS[number[2].strip().lower()] <= _U64_MAX
+
+
 def _max_memory(max_memory: Union[None, int, str]) -> Optional[str]:
     """The op's `max_memory`: bytes, a size string ("256M", "2GiB", "unlimited"), or None for
-    `$FASTSAFETENSORS_MAX_MEMORY` (else the default). The loader validates the strings."""
-    if max_memory is None or isinstance(max_memory, str):
+    `$FASTSAFETENSORS_MAX_MEMORY` (else the default), checked by the loader's rule when the
+    function taking it is called. A blank string is refused (the op would take it for None)."""
+    if max_memory is None:
+        return None
+    if isinstance(max_memory, str):
+        if not max_memory.strip():
+            raise ValueError(f"max_memory={max_memory!r} is not valid: expected {SIZE} (or None for the default)")
+        if not _is_size(max_memory):
+            raise ValueError(f"max_memory={max_memory!r} is not valid: expected {SIZE}")
         return max_memory
     if isinstance(max_memory, bool) or not isinstance(max_memory, int):
         raise TypeError(f"max_memory: expected bytes (int) or a size such as '256M', got {max_memory!r}")
     if max_memory < 0:
         raise ValueError(f"max_memory={max_memory}: must not be negative")
+    if max_memory > _U64_MAX:
+        raise ValueError(f"max_memory={max_memory} is not valid: at most {_U64_MAX} bytes (or 'unlimited')")
     return str(max_memory)
 
 
@@ -154,6 +237,7 @@ def _nothing_selected(patterns: Optional[List[str]], mode: str, count: int, path
 # ------------------------------------------------------------------ batch loads
 
 
+@_argument_errors
 def load(
     files: Union[PathLike, Iterable[PathLike]],
     device: Device = "cpu",
@@ -191,6 +275,7 @@ def load(
     tensor into it is gone. With the "auto" reader, files whose direct reads would not fit in
     host memory are mapped instead (logged at INFO), so a load larger than memory succeeds.
     """
+    reader, nogds = _reader(reader), _nogds(nogds)
     check_settings()
     paths = _paths(files)
     patterns, mode = _filter_args(tensor_filter, tensor_name_match_mode, paths)
@@ -230,6 +315,7 @@ def release_staging_buffers() -> int:
 # ------------------------------------------------------------------ streaming
 
 
+@_argument_errors
 def stream(
     files: Union[PathLike, Iterable[PathLike]],
     device: Device = "cpu",
@@ -262,20 +348,23 @@ def stream(
     reading starts at once. Leaving the loop early (`break`, an exception) stops the reads once
     the iterator is closed (`close()`, a `with` block) or dropped.
     """
+    reader, budget = _reader(reader), _max_memory(max_memory)
     check_settings()
     paths = _paths(files)
     patterns, mode = _filter_args(tensor_filter, tensor_name_match_mode, paths)
     target, cast = _device_name(device), cast_dtype(dtype)
-    handle = ops.open_stream(paths, target, cast, reader, patterns, mode, _max_memory(max_memory))
+    handle = ops.open_stream(paths, target, cast, reader, patterns, mode, budget)
     _nothing_selected(patterns, mode, handle.tensor_count(), paths)
     return TensorIterator(handle)
 
 
 class TensorIterator:
     """The iterator `stream` returns: `(name, tensor)` pairs, and how many tensors and bytes
-    there are in all (`tensor_count`, `byte_count`). `close()` (or dropping it) stops the reads."""
+    there are in all (`tensor_count`, `byte_count`). `close()` (or dropping it) stops the reads.
+    Threads may share one: each tensor goes to exactly one of them."""
 
     def __init__(self, handle):
+        self._lock = threading.Lock()
         self._handle = handle
         self._reported: set = set()
         self._names: List[str] = []
@@ -288,13 +377,17 @@ class TensorIterator:
         return self
 
     def __next__(self) -> Tuple[str, torch.Tensor]:
+        with self._lock:
+            return self._take()
+
+    def _take(self) -> Tuple[str, torch.Tensor]:
         while self._next == len(self._names):
             group = None
             if self._handle is not None:
                 with _gc_paused():
                     group = self._handle.next()
             if group is None:
-                self.close()
+                self._drop()
                 raise StopIteration
             self._names, self._tensors = group
             self._next = 0
@@ -317,7 +410,12 @@ class TensorIterator:
         logger.debug("%s: read with %s", path, how)
 
     def close(self) -> None:
-        """Stops the reads still going on and drops what was read but not handed out."""
+        """Stops the reads still going on and drops what was read but not handed out (after
+        the group another thread is waiting for, if any, has arrived)."""
+        with self._lock:
+            self._drop()
+
+    def _drop(self) -> None:
         self._handle = None
         self._names, self._tensors, self._next = [], [], 0
 
@@ -351,6 +449,7 @@ class safe_open:
     index is refused (load those with `load_file`).
     """
 
+    @_argument_errors
     def __init__(
         self,
         filename: Union[PathLike, Sequence[PathLike]],
@@ -367,8 +466,8 @@ class safe_open:
         self._paths = _paths(filename)
         self._path = self._paths[0] if len(self._paths) == 1 else ", ".join(self._paths)
         self._device = _device_name(device)
-        self._reader = reader
-        self._nogds = nogds
+        self._reader = _reader(reader)
+        self._nogds = _nogds(nogds)
         self._max_memory = _max_memory(max_memory)
         self._patterns, self._mode = _filter_args(tensor_filter, tensor_name_match_mode, self._paths)
         self._dtypes: Dict[str, str] = {}
@@ -416,6 +515,7 @@ class safe_open:
     def metadata(self) -> Optional[Dict[str, str]]:
         return None if self._metadata is None else dict(self._metadata)
 
+    @_argument_errors
     def get_tensor(self, name: str) -> torch.Tensor:
         """The tensor `name`; repeated calls return the same tensor (clone it before writing
         if that matters)."""
@@ -479,6 +579,7 @@ class _FileReader:
                 self.arrived = load([self._path], device=h._device, reader=h._reader, nogds=h._nogds,
                                     tensor_filter=h._patterns, tensor_name_match_mode=h._mode)
             elif self._stream is None:
+                check_settings()  # as every load does
                 # No budget: the handle keeps everything it reads (files that would not fit in
                 # host memory are mapped instead, as in `load`).
                 self._stream = _open_stream([self._path], h._device, h._reader, h._patterns, h._mode, "unlimited")
@@ -525,11 +626,13 @@ class TensorSlice:
         """The safetensors dtype name, e.g. "BF16" or "F8_E4M3"."""
         return self._handle._dtypes[self._name]
 
+    @_argument_errors
     def __getitem__(self, index) -> torch.Tensor:
         h = self._handle
         rows = None if self.get_dtype() == "F4" and len(self.get_shape()) < 2 else _rows(index, self.get_shape())
         if rows is not None and h._arrived(self._name) is None:
             h._check_open()
+            check_settings()
             start, stop, rest = rows
             part = ops.load_rows(h._paths[h._file_of[self._name]], self._name, start, stop, h._reader)
             if h._device != "cpu":

@@ -59,14 +59,21 @@ class Checkpoint:
 
 def expand_paths(paths: Sequence[str]) -> List[Checkpoint]:
     """Turns files, directories and index files into checkpoints by the loader's own rule
-    (`fastsafetensors_rs.load` resolves a directory or an index the same way)."""
+    (`fastsafetensors_rs.load` resolves a directory or an index the same way). A path the
+    loader refuses to take (not UTF-8) is a problem of its own checkpoint, with the loader's
+    message; the others are still looked at."""
     out = []
     for path in paths:
         try:
-            files, index, problems = ops.checkpoint(str(path))
+            path = api._path(path)
+        except ValueError as e:
+            out.append(Checkpoint(os.fsencode(path).decode("utf-8", "backslashreplace"), problems=[str(e)]))
+            continue
+        try:
+            files, index, problems = ops.checkpoint(path)
         except RuntimeError as e:
             raise UsageError(str(e)) from None
-        out.append(Checkpoint(str(path), list(files), index, list(problems)))
+        out.append(Checkpoint(path, list(files), index, list(problems)))
     return out
 
 
@@ -87,11 +94,18 @@ def describe_file(path: str) -> Dict[str, Any]:
     """Header facts of one file (no tensor data is read) and whether the header is valid."""
     info: Dict[str, Any] = {"path": path, "valid": False, "error": None}
     try:
-        info["file_bytes"] = os.path.getsize(path)
         names, dtypes, shapes, metadata = ops.describe(path)
-    except (OSError, RuntimeError) as e:
+        info["file_bytes"] = os.path.getsize(path)
+    except RuntimeError as e:  # the loader's message, which names the file
         info["error"] = str(e)
         return info
+    except OSError as e:
+        info["error"] = f"{path}: {e.strerror or e}"
+        return info
+    for name, dtype in zip(names, dtypes):
+        if dtype not in DTYPES:  # a dtype of the format that torch has no dtype for
+            info["error"] = f"{path}: tensor '{name}': dtype {dtype} has no torch equivalent"
+            return info
     tensors = []
     by_dtype: Dict[str, Dict[str, int]] = {}
     for name, dtype, shape in zip(names, dtypes, shapes):
@@ -315,18 +329,16 @@ def _loaders(args: argparse.Namespace) -> Dict[str, Callable[[List[str]], Dict[s
 
 
 def cmd_bench(args: argparse.Namespace) -> Tuple[Dict[str, Any], bool]:
-    files = _describe_all(expand_paths(args.paths))
-    bad = [f for f in files if not f["valid"]]
-    if bad:
-        for f in bad:
-            print(f"INVALID {f['path']}: {f['error']}", file=sys.stderr)
-        return {"command": "bench", "valid": False, "files": [f["path"] for f in files]}, False
+    ckpts = expand_paths(args.paths)
+    files = _describe_all(ckpts)
+    errors = [f["error"] for f in files if not f["valid"]] + _problems(ckpts)
+    if errors:
+        for e in errors:
+            print(f"{PROG} bench: {e}", file=sys.stderr)
+        return {"command": "bench", "valid": False, "files": [f["path"] for f in files], "errors": errors}, False
     paths = [f["path"] for f in files]
     total = sum(f["file_bytes"] for f in files)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    for m in modes:
-        if m not in ("cold", "warm"):
-            raise UsageError(f"--modes: unknown mode {m!r} (cold, warm)")
+    modes = args.modes
     loaders = _loaders(args)
     runs = [(mode, name) for mode in modes for _ in range(args.repeat) for name in loaders]
     seconds: Dict[Tuple[str, str], List[float]] = {}
@@ -366,9 +378,11 @@ def cmd_bench(args: argparse.Namespace) -> Tuple[Dict[str, Any], bool]:
     if not args.json:
         print(f"{len(paths)} file(s), {_human(total)}, device {args.device}, reader {result['reader']}, "
               f"median of {args.repeat}")
+        width = max((len(r["loader"]) for r in results), default=0)
         for r in results:
             extra = f"  ({r['speedup_vs_safetensors']:.2f}x safetensors)" if "speedup_vs_safetensors" in r else ""
-            print(f"  {r['mode']:<5} {r['loader']:<16} {r['median_s'] * 1e3:10.1f} ms  {r['gb_per_s']:8.2f} GB/s{extra}")
+            print(f"  {r['mode']:<5} {r['loader']:<{width}} {r['median_s'] * 1e3:10.1f} ms  "
+                  f"{r['gb_per_s']:8.2f} GB/s{extra}")
         for n in result["notes"]:
             print(f"note: {n}")
     return result, True
@@ -377,9 +391,35 @@ def cmd_bench(args: argparse.Namespace) -> Tuple[Dict[str, Any], bool]:
 # ---------------------------------------------------------------------------- main
 
 
+PROG = "python -m fastsafetensors_rs"
+MODES = ("cold", "warm")
+
+
+def _repeat(text: str) -> int:
+    """--repeat: a whole number, 1 or more."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of runs, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def _modes(text: str) -> List[str]:
+    """--modes: comma-separated cold and warm, at least one."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    for m in modes:
+        if m not in MODES:
+            raise argparse.ArgumentTypeError(f"unknown mode {m!r} (cold, warm)")
+    if not modes:
+        raise argparse.ArgumentTypeError("no mode given (cold, warm, or cold,warm)")
+    return modes
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m fastsafetensors_rs",
+        prog=PROG,
         description="Inspect, verify and benchmark .safetensors checkpoints.",
     )
     common = argparse.ArgumentParser(add_help=False)
@@ -408,8 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", parents=[common, loading],
                        help="load throughput of fastsafetensors_rs vs safetensors, cold and warm")
-    p.add_argument("--repeat", type=int, default=3, help="runs per loader and mode (median reported)")
-    p.add_argument("--modes", default="cold,warm", help="comma-separated: cold (page cache evicted), warm")
+    p.add_argument("--repeat", type=_repeat, default=3, help="runs per loader and mode (median reported)")
+    p.add_argument("--modes", type=_modes, default="cold,warm",
+                   help="comma-separated: cold (page cache evicted), warm")
     p.add_argument("--no-safetensors", action="store_true", help="time fastsafetensors_rs only")
     p.set_defaults(run=cmd_bench)
     return parser
@@ -448,6 +489,17 @@ def _discard_stdout() -> None:
     os.close(devnull)
 
 
+def _failed(args: argparse.Namespace, error: str, status: int) -> int:
+    """Reports a command that could not run: one line on stderr and, with --json, a JSON
+    document saying so on stdout."""
+    print(f"{PROG} {args.command}: {error}", file=sys.stderr)
+    if args.json:
+        json.dump({"command": args.command, "valid": False, "error": error}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    return status
+
+
 def _main(argv: Optional[Sequence[str]]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -456,21 +508,17 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         return 2
     if args.verbose:
         enable_logging("debug")
-    if getattr(args, "repeat", 1) < 1:
-        parser.error("--repeat must be at least 1")
     try:
         _check_settings()
         result, ok = args.run(args)
     except BrokenPipeError:
         raise  # handled by main
     except (UsageError, ValueError) as e:  # the command line, or a malformed setting
-        print(f"{parser.prog} {args.command}: {e}", file=sys.stderr)
-        return 2
+        return _failed(args, str(e), 2)
     except (RuntimeError, OSError) as e:  # what the loaders raise; -v shows where
         if args.verbose:
             logger.exception("%s failed", args.command)
-        print(f"{parser.prog} {args.command}: {e}", file=sys.stderr)
-        return 1
+        return _failed(args, str(e), 1)
     if args.json:
         json.dump(result, sys.stdout, indent=2)
         sys.stdout.write("\n")

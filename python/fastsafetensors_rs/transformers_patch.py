@@ -160,8 +160,10 @@ def patch_transformers(reader: Optional[str] = None, nogds: Optional[bool] = Non
         nogds: for CUDA loads, as in `fastsafetensors_rs.load`.
 
     Returns the patched names ("module.attribute"). Calling it again only updates the
-    options. Undo with `unpatch_transformers()`. Raises ImportError without transformers.
+    options. Undo with `unpatch_transformers()`. Raises ImportError without transformers,
+    ValueError or TypeError for a malformed option.
     """
+    reader, nogds = api._reader(reader), api._nogds(nogds)
     _import_transformers()
     with _lock:
         _options.clear()

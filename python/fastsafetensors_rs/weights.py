@@ -49,7 +49,7 @@ def _reader_reason(reader: Optional[str]) -> str:
 
 
 def weights_iterator(
-    files: Iterable[PathLike],
+    files: Union[PathLike, Iterable[PathLike]],
     use_tqdm_on_load: Optional[bool] = None,
     *,
     device: Device = "cpu",
@@ -64,7 +64,8 @@ def weights_iterator(
     """Yields `(name, tensor)` for every tensor (or the selected ones) of `files`, file by file.
 
     Args:
-        files: the `.safetensors` files, read in this order (e.g. the shards of one model).
+        files: the `.safetensors` files, read in this order (e.g. the shards of one model),
+            or one file.
         use_tqdm_on_load: a progress bar (bytes) on stderr (shown for loads longer than a
             second). None (default) means off unless `$FASTSAFETENSORS_PROGRESS=1`; the
             position matches vLLM's iterators, which take it second.
@@ -80,13 +81,24 @@ def weights_iterator(
             `prefetch` files ahead in a background thread, at the cost of that many files of
             device memory.
 
-    A file that cannot be read raises `RuntimeError` naming it.
+    Malformed arguments raise here, at the call; a file that cannot be read raises
+    `RuntimeError` naming it at the first `next()`.
     """
-    paths: List[str] = [os.fspath(f) for f in files]
+    paths: List[str] = api._paths(files)
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int):
+        raise TypeError(f"prefetch must be a whole number of files (int), not {type(prefetch).__name__}")
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
-    show = progress_enabled(use_tqdm_on_load, default=False)
+    reader, nogds, budget = api._reader(reader), api._nogds(nogds), api._max_memory(max_memory)
     target = api._device_name(device)
+    return _weights(paths, use_tqdm_on_load, target, dtype, reader, nogds, prefetch, tensor_filter,
+                    tensor_name_match_mode, budget)
+
+
+def _weights(paths: List[str], use_tqdm_on_load: Optional[bool], target: str, dtype: Optional[torch.dtype],
+             reader: Optional[str], nogds: Optional[bool], prefetch: int, tensor_filter: api.TensorFilter,
+             tensor_name_match_mode: str, max_memory: Optional[str]) -> Iterator[Tuple[str, torch.Tensor]]:
+    show = progress_enabled(use_tqdm_on_load, default=False)
     logger.debug("weights_iterator: %d file(s) to %s, %s", len(paths), target, _reader_reason(reader))
     if target == "cpu" or (nogds is not False and prefetch == 0):
         yield from _streamed(paths, show, device=target, dtype=dtype, reader=reader, tensor_filter=tensor_filter,

@@ -409,6 +409,17 @@ def test_parallel_loader_single_process(multi_file_model, queue_size):
     U.assert_same_dict(dict(got), written)
 
 
+def test_parallel_loader_takes_one_path_as_one_file(multi_file_model):
+    from pathlib import Path
+
+    paths, shards = multi_file_model
+    for one in (str(paths[0]), Path(paths[0])):
+        pl = fst.ParallelLoader(fst.SingleGroup(), one, use_tqdm_on_load=False)
+        assert pl.hf_weights_files == [str(paths[0])]
+        U.assert_same_dict(dict(pl.iterate_weights()), shards[0])
+        pl.close()
+
+
 def test_parallel_loader_stops_early_and_reports_errors(multi_file_model, tmp_path):
     paths, shards = multi_file_model
     pl = fst.ParallelLoader(fst.SingleGroup(), [str(p) for p in paths], use_tqdm_on_load=False)

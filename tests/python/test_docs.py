@@ -1,4 +1,5 @@
-"""The migration guide's snippet runs as the guide says to run it (docs/migration.md)."""
+"""The migration guide's snippet runs as the guide says to run it (docs/migration.md), and
+the docs name this package's API as `fastsafetensors_rs`, never as IBM's `fastsafetensors`."""
 
 from __future__ import annotations
 
@@ -53,3 +54,36 @@ def test_the_snippet_runs_under_the_command_the_guide_gives(tmp_path):
     plain = subprocess.run([sys.executable, "load.py"], cwd=tmp_path, capture_output=True, text=True,
                            env=U.subprocess_env(), timeout=300)
     assert plain.returncode != 0 and "environment variable RANK expected, but not set" in plain.stderr
+
+
+# ---------------------------------------------------------------- names of this package and IBM's
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+# `fastsafetensors.<name>` in the docs means IBM's package (this one is `fastsafetensors_rs`):
+# the names of its API that the docs speak of on purpose (what `install_as_fastsafetensors()`
+# routes, and what it does not provide).
+IBM_NAMES = {"loader", "parallel_loader", "common", "st_types", "file_buffer", "cpp", "AutoLoader",
+             "SafeTensorsFileLoader", "SingleGroup", "fastsafe_open", "ParallelLoader", "FilesBufferOnDevice", "DType"}
+
+
+def _prefixed_names():
+    """(file, line number, prefix, name) of every `fastsafetensors.<name>` in the docs."""
+    for doc in DOCS:
+        for number, line in enumerate(doc.read_text().splitlines(), 1):
+            for m in re.finditer(r"(?<![\w.])(torch\.ops\.)?fastsafetensors\.([A-Za-z_]\w*)", line):
+                yield doc.relative_to(ROOT), number, m[1] or "", m[2]
+
+
+def test_fastsafetensors_prefixed_names_are_ibms_api_or_the_ops():
+    """A `fastsafetensors.` name is IBM's API on purpose, or one of this package's ops
+    (`torch.ops.fastsafetensors.<op>`); this package's own functions are `fastsafetensors_rs.*`."""
+    import fastsafetensors_rs
+
+    ops = fastsafetensors_rs.ops
+    found = list(_prefixed_names())
+    assert any(prefix for _, _, prefix, _ in found) and any(not prefix for _, _, prefix, _ in found)
+    wrong = [f"{doc}:{n}: {prefix}fastsafetensors.{name}" for doc, n, prefix, name in found
+             if (not hasattr(ops, name) if prefix else name not in IBM_NAMES)]
+    assert wrong == [], "\n".join(wrong)

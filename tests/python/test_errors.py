@@ -294,3 +294,67 @@ def test_a_valid_file_is_never_taken_for_another_format(tmp_path):
     path = U.write_raw(tmp_path / "pickle_like.safetensors", raw + b" " * (640 - len(raw)), struct.pack("<2f", 1.5, -2))
     assert path.read_bytes()[:2] == b"\x80\x02"
     assert fastsafetensors_rs.load_file(path)["w"].tolist() == [1.5, -2.0]
+
+
+# ---------------------------------------------------------------- paths that are not UTF-8
+
+
+def _not_utf8_entry_points():
+    return {
+        "load_file": fastsafetensors_rs.load_file,
+        "load": lambda p: fastsafetensors_rs.load([p]),
+        "stream": fastsafetensors_rs.stream,
+        "weights_iterator": fastsafetensors_rs.weights_iterator,
+        "safe_open": fastsafetensors_rs.safe_open,
+        "safe_open_list": lambda p: fastsafetensors_rs.safe_open([p]),
+        "fastsafe_open": fastsafetensors_rs.fastsafe_open,
+        "SafeTensorsFileLoader": _compat_loader,
+        "ParallelLoader": lambda p: fastsafetensors_rs.ParallelLoader(None, p),
+    }
+
+
+@pytest.mark.parametrize("form", ["bytes", "str"])
+@pytest.mark.parametrize("entry", list(_not_utf8_entry_points()))
+def test_a_path_that_is_not_utf8_is_named_in_one_line(tmp_path, entry, form):
+    """The file exists; the loader cannot take its name (the ops take UTF-8 strings). The
+    error names the path as a terminal can print it, when the function is called."""
+    import os
+
+    raw = os.fsencode(tmp_path) + b"/w\xff.safetensors"
+    U.write_checkpoint(raw.decode("utf-8", "surrogateescape"), {"w": torch.ones(2)})
+    path = raw if form == "bytes" else os.fsdecode(raw)
+    with pytest.raises(ValueError) as info:
+        _not_utf8_entry_points()[entry](path)
+    shown = raw.decode("utf-8", "backslashreplace")
+    assert str(info.value) == (f"{shown}: the path is not UTF-8, and fastsafetensors_rs takes UTF-8 paths only: "
+                               "rename the file, or link to it under a UTF-8 name")
+
+
+def test_a_bytes_path_in_utf8_loads(tmp_path):
+    import os
+
+    path = U.write_checkpoint(tmp_path / "wé.safetensors", {"w": torch.ones(2)})
+    assert torch.equal(fastsafetensors_rs.load_file(os.fsencode(path))["w"], torch.ones(2))
+    assert torch.equal(fastsafetensors_rs.load([os.fsencode(path)])["w"], torch.ones(2))
+    assert fastsafetensors_rs.safe_open(os.fsencode(path)).keys() == ["w"]
+
+
+def test_the_cli_reports_a_path_that_is_not_utf8_as_the_loader_does_and_goes_on(tmp_path, capsys):
+    import os
+
+    from fastsafetensors_rs import cli
+
+    good = U.write_checkpoint(tmp_path / "good.safetensors", {"w": torch.ones(2)})
+    raw = os.fsencode(tmp_path) + b"/w\xff.safetensors"
+    U.write_checkpoint(os.fsdecode(raw), {"w": torch.ones(2)})
+    with pytest.raises(ValueError) as info:
+        fastsafetensors_rs.load_file(raw)
+    for command in ("inspect", "verify"):
+        assert cli.main([command, "--no-progress", os.fsdecode(raw), str(good)]) == 1
+        out = capsys.readouterr().out
+        assert f"problem: {info.value}\n" in out, out
+        assert f"{good}\n" in out or f"ok  {good}" in out, out
+        assert cli.main([command, "--json", os.fsdecode(raw), str(good)]) == 1
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["problems"] == [str(info.value)]
+        assert [f["path"] for f in doc["files"]] == [str(good)] and doc["files"][0]["valid"]

@@ -113,6 +113,26 @@ def test_inspect_reports_an_invalid_file(capsys, model_dir, tmp_path):
     assert rc == 1 and "INVALID" in out
 
 
+@pytest.mark.parametrize("dtype", ["F6_E2M3", "F6_E3M2"])
+def test_a_dtype_torch_lacks_is_one_line_and_the_other_files_are_still_reported(capsys, model_dir, tmp_path, dtype):
+    """The format knows the dtype (the header is valid), torch has none to load it into."""
+    d = _copy(model_dir[0], tmp_path / "with_f6")
+    (d / "model.safetensors.index.json").unlink()
+    f6 = U.write_raw(d / "model-00000-f6.safetensors", {"w": {"dtype": dtype, "shape": [4], "data_offsets": [0, 3]}},
+                     b"\0" * 3)
+    line = f"{f6}: tensor 'w': dtype {dtype} has no torch equivalent"
+    for command in ("inspect", "verify"):
+        rc, out, err = run(capsys, command, "--no-progress", d)
+        assert rc == 1 and err == "", err
+        assert out.count(line) == 1 and "Traceback" not in out, out
+        assert out.count("\n    ") >= 1 and "model-00002-of-00002.safetensors" in out
+        rc, doc, _ = run_json(capsys, command, d)
+        assert rc == 1 and doc["valid"] is False
+        by_path = {f["path"]: f for f in doc["files"]}
+        assert by_path[str(f6)]["valid"] is False and by_path[str(f6)]["error"] == line
+        assert len(by_path) == 3 and all(f["valid"] for p, f in by_path.items() if p != str(f6))
+
+
 def test_same_names_in_separate_checkpoints_are_fine(capsys, model_dir, tmp_path):
     d, _ = model_dir
     other = _copy(d, tmp_path / "copy")
@@ -226,11 +246,55 @@ def test_bench_human_and_errors(capsys, model_dir, tmp_path):
     d, _ = model_dir
     rc, out, _ = run(capsys, "bench", d, "--repeat", "1", "--modes", "warm")
     assert rc == 0 and "GB/s" in out and "x safetensors" in out
-    rc, _, err = run(capsys, "bench", d, "--modes", "lukewarm")
-    assert rc == 2 and "lukewarm" in err
     bad = U.write_raw(tmp_path / "bad.safetensors", b"[]")
     rc, _, err = run(capsys, "bench", bad)
     assert rc == 1 and str(bad) in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--modes", ""], "argument --modes: no mode given (cold, warm, or cold,warm)"),
+    (["--modes", " , "], "argument --modes: no mode given (cold, warm, or cold,warm)"),
+    (["--modes", "warm,lukewarm"], "argument --modes: unknown mode 'lukewarm' (cold, warm)"),
+    (["--repeat", "0"], "argument --repeat: must be at least 1, got 0"),
+    (["--repeat", "-2"], "argument --repeat: must be at least 1, got -2"),
+    (["--repeat", "many"], "argument --repeat: expected a whole number of runs, got 'many'"),
+])
+def test_bench_refuses_a_run_of_nothing_with_its_own_usage(capsys, model_dir, argv, message):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", str(model_dir[0]), *argv])
+    out = capsys.readouterr()
+    assert info.value.code == 2 and out.out == ""
+    assert out.err.startswith("usage: python -m fastsafetensors_rs bench ")
+    assert out.err.endswith(f"\npython -m fastsafetensors_rs bench: error: {message}\n"), out.err
+
+
+def test_bench_columns_line_up(capsys, model_dir):
+    rc, out, _ = run(capsys, "bench", model_dir[0], "--repeat", "1", "--no-progress")
+    rows = [line for line in out.splitlines() if "GB/s" in line]
+    assert rc == 0 and len(rows) == 4, out
+    for word in (" ms ", " GB/s"):
+        assert len({row.index(word) for row in rows}) == 1, out
+
+
+def test_bench_names_a_bad_file_once(capsys, tmp_path):
+    bad = U.write_raw(tmp_path / "bad.safetensors", b"[]")
+    missing = tmp_path / "missing.safetensors"
+    for path in (bad, missing):
+        rc, out, err = run(capsys, "bench", path)
+        assert rc == 1 and out == ""
+        assert err.count(str(path)) == 1 and err.startswith(f"python -m fastsafetensors_rs bench: {path}: "), err
+        assert err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "bench"])
+def test_json_output_is_a_document_even_when_the_command_fails(capsys, tmp_path, command):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc, out, err = run(capsys, command, empty, "--json")
+    message = f"{empty}: no *.safetensors files and no *.safetensors.index.json in this directory"
+    assert rc == 2 and err.startswith(f"python -m fastsafetensors_rs {command}: {message}")
+    doc = json.loads(out)
+    assert doc == {"command": command, "valid": False, "error": err.split(": ", 1)[1].rstrip("\n")}
 
 
 def test_bench_and_verify_on_a_device_that_is_not_there(model_dir):

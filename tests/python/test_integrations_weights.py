@@ -70,6 +70,18 @@ def test_positional_use_like_vllm(shards):
     U.assert_same_dict(rest, tensors)
 
 
+def test_one_path_is_one_file(shards):
+    """A single path (str or PathLike) is that file, as for `load` and `stream`, not a
+    sequence of one-character paths."""
+    from pathlib import Path
+
+    paths, tensors = shards
+    want = {k: v for k, v in tensors.items() if k.startswith("model.layers.0.")}
+    for one in (paths[0], Path(paths[0])):
+        U.assert_same_dict(dict(fastsafetensors_rs.weights_iterator(one)), want)
+        U.assert_same_dict(dict(fastsafetensors_rs.weights_iterator(one, prefetch=1)), want)
+
+
 def test_tensors_stay_valid_after_the_iterator_stops_early(shards):
     paths, tensors = shards
     it = fastsafetensors_rs.weights_iterator(paths, prefetch=1)

@@ -52,6 +52,16 @@ def test_get_tensor_every_dtype(all_dtypes_file):
             U.assert_same_tensor(f.get_tensor(name), written[name], name)
 
 
+def test_get_tensor_again_returns_the_same_tensor(all_dtypes_file):
+    """As the README and docs/integrations.md say (safetensors reads a fresh tensor each time)."""
+    path, written = all_dtypes_file
+    with safe_open(path) as f:
+        first = f.get_tensor("float32.matrix")
+        assert f.get_tensor("float32.matrix") is first
+    with st_safe_open(str(path), "pt") as ref:
+        assert ref.get_tensor("float32.matrix") is not ref.get_tensor("float32.matrix")
+
+
 def test_get_slice_shape_and_dtype(all_dtypes_file):
     path, _ = all_dtypes_file
     with st_safe_open(str(path), "pt") as ref, safe_open(path) as f:

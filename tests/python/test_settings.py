@@ -226,3 +226,151 @@ def test_the_cli_names_a_malformed_setting(model, monkeypatch, capsys, var, valu
         captured = capsys.readouterr()
         assert captured.out == ""
         assert captured.err == f"python -m fastsafetensors_rs {command}: {setting_error(var, value, expected)}\n"
+
+
+# ---------------------------------------------------------------- the loaders' own arguments
+
+
+def _compat_loader(path, **kwargs):
+    loader = fastsafetensors_rs.SafeTensorsFileLoader(fastsafetensors_rs.SingleGroup(), "cpu", **kwargs)
+    loader.add_filenames({0: [path]})
+    return loader.copy_files_to_device()
+
+
+# Every public way to load, called with `kwargs` added; each returns once its loading started.
+ENTRY_POINTS = {
+    "load_file": lambda p, **kw: fastsafetensors_rs.load_file(p, **kw),
+    "load": lambda p, **kw: fastsafetensors_rs.load([p], **kw),
+    "stream": lambda p, **kw: fastsafetensors_rs.stream(p, **kw),
+    "weights_iterator": lambda p, **kw: fastsafetensors_rs.weights_iterator([p], **kw),
+    "safe_open": lambda p, **kw: fastsafetensors_rs.safe_open(p, **kw),
+    "SafeTensorsFileLoader": lambda p, **kw: fastsafetensors_rs.SafeTensorsFileLoader(
+        fastsafetensors_rs.SingleGroup(), "cpu", **kw),
+    "ParallelLoader": lambda p, **kw: fastsafetensors_rs.ParallelLoader(fastsafetensors_rs.SingleGroup(), [p], **kw),
+}
+TAKES_NOGDS = {"load_file", "load", "weights_iterator", "safe_open"}
+TAKES_MAX_MEMORY = {"stream", "weights_iterator", "safe_open"}
+
+READER_EXPECTED = "expected 'auto', 'direct' or 'mmap' (or None: $FASTSAFETENSORS_READER, else 'auto')"
+BAD_ARGUMENTS = {
+    "reader='fast'": ({"reader": "fast"}, ValueError, "reader='fast' is not valid: " + READER_EXPECTED),
+    "reader=''": ({"reader": ""}, ValueError, "reader='' is not valid: " + READER_EXPECTED),
+    "reader=5": ({"reader": 5}, TypeError, "reader must be a string or None, not int"),
+    "nogds='x'": ({"nogds": "x"}, TypeError, "nogds must be True, False or None, not str"),
+    "max_memory='abc'": ({"max_memory": "abc"}, ValueError,
+                         "max_memory='abc' is not valid: expected bytes with an optional K/M/G/T suffix (e.g. 64G), "
+                         "or 'unlimited'"),
+    "max_memory=''": ({"max_memory": ""}, ValueError,
+                      "max_memory='' is not valid: expected bytes with an optional K/M/G/T suffix (e.g. 64G), "
+                      "or 'unlimited' (or None for the default)"),
+    "max_memory=' '": ({"max_memory": " "}, ValueError,
+                       "max_memory=' ' is not valid: expected bytes with an optional K/M/G/T suffix (e.g. 64G), "
+                       "or 'unlimited' (or None for the default)"),
+    "max_memory=2**70": ({"max_memory": 2**70}, ValueError,
+                         f"max_memory={2**70} is not valid: at most {2**64 - 1} bytes (or 'unlimited')"),
+}
+
+
+def _takes(entry, kwargs) -> bool:
+    return (("nogds" not in kwargs or entry in TAKES_NOGDS)
+            and ("max_memory" not in kwargs or entry in TAKES_MAX_MEMORY))
+
+
+@pytest.mark.parametrize("entry, case", [(e, c) for e in ENTRY_POINTS for c, (kwargs, _, _) in BAD_ARGUMENTS.items()
+                                         if _takes(e, kwargs)])
+def test_a_malformed_argument_is_refused_at_the_call(model, entry, case):
+    """A ValueError or TypeError in one line when the function is called, before anything is
+    read: never a RuntimeError, a schema dump, or an error deferred to the first read."""
+    kwargs, error, msg = BAD_ARGUMENTS[case]
+    assert one_line_error(error, ENTRY_POINTS[entry], str(model), **kwargs) == msg
+
+
+def test_patching_transformers_checks_its_options_at_once():
+    pytest.importorskip("transformers")
+    from fastsafetensors_rs import transformers_patch as tp
+
+    for call in (fastsafetensors_rs.patch_transformers, lambda **kw: fastsafetensors_rs.patched_transformers(**kw)
+                 .__enter__()):
+        assert one_line_error(ValueError, call, reader="fast") == "reader='fast' is not valid: " + READER_EXPECTED
+        assert one_line_error(TypeError, call, nogds="x") == "nogds must be True, False or None, not str"
+        assert not tp.is_transformers_patched()
+
+
+def test_prefetch_must_be_a_whole_number(model):
+    assert one_line_error(TypeError, fastsafetensors_rs.weights_iterator, [model], prefetch="a") == (
+        "prefetch must be a whole number of files (int), not str")
+    assert one_line_error(ValueError, fastsafetensors_rs.weights_iterator, [model], prefetch=-1) == (
+        "prefetch must be >= 0, got -1")
+
+
+def test_a_bad_pattern_is_a_value_error(model):
+    refused = re.escape("tensor_filter pattern 'w\\.(' is not valid")
+    with pytest.raises(ValueError, match="^" + refused):
+        fastsafetensors_rs.load_file(model, tensor_filter=r"w\.(", tensor_name_match_mode="regex")
+    with pytest.raises(ValueError, match="^" + refused):
+        fastsafetensors_rs.safe_open(model, tensor_filter=r"w\.(", tensor_name_match_mode="regex")
+    with pytest.raises(ValueError, match="^" + refused):
+        fastsafetensors_rs.stream(model, tensor_filter=[r"w\.("], tensor_name_match_mode="regex")
+    # The op, as TorchScript and C++ call it, raises what every op raises.
+    with pytest.raises(RuntimeError, match="^invalid argument: " + refused):
+        ops.load([str(model)], tensor_filter=[r"w\.("], tensor_name_match_mode="regex")
+
+
+SIZES = ["1", "0", "256M", "256 M", " 256mb ", "256MiB", "2g", "2GIB", "1T", "7b", "B", "unlimited", "UNLIMITED ",
+         "1.5G", "-1", "+1", "1e9", "lots", "256 megs", "M", "1 KiBB", "16777216T", "16777215T", "18446744073709551615",
+         "18446744073709551616", "0x10", "１２", "1\n"]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_max_memory_strings_are_checked_by_the_loaders_own_rule(size):
+    """The Python check, made when `max_memory=` is given, takes exactly the sizes the op takes."""
+    from fastsafetensors_rs import api
+
+    try:
+        ops.open_stream([], "cpu", None, "auto", None, "glob", size)
+        op_takes = True
+    except RuntimeError as e:
+        assert str(e) == f"invalid argument: max_memory={size!r} is not valid: expected {api.SIZE}"
+        op_takes = False
+    assert api._is_size(size) == op_takes
+
+
+def test_good_arguments_still_load(model):
+    U.assert_same_dict(fastsafetensors_rs.load_file(model, reader="mmap", nogds=True), WEIGHTS)
+    U.assert_same_dict(dict(fastsafetensors_rs.stream(model, max_memory=2**64 - 1)), WEIGHTS)
+    U.assert_same_dict(dict(fastsafetensors_rs.stream(model, max_memory=" 1M ")), WEIGHTS)
+    U.assert_same_dict(dict(fastsafetensors_rs.weights_iterator(model, reader="direct", prefetch=0)), WEIGHTS)
+
+
+# ---------------------------------------------------------------- every load checks every setting
+
+
+def _parallel_loader(path):
+    pl = fastsafetensors_rs.ParallelLoader(fastsafetensors_rs.SingleGroup(), [path], use_tqdm_on_load=False)
+    try:
+        return dict(pl.iterate_weights())
+    finally:
+        pl.close()
+
+
+LOADS = {
+    "load_file": lambda p: fastsafetensors_rs.load_file(p),
+    "stream": lambda p: dict(fastsafetensors_rs.stream(p)),
+    "weights_iterator": lambda p: dict(fastsafetensors_rs.weights_iterator(p)),
+    "safe_open.get_tensor": lambda p: fastsafetensors_rs.safe_open(p).get_tensor("ids"),
+    "safe_open.get_slice": lambda p: fastsafetensors_rs.safe_open(p).get_slice("w.f32")[2:4],
+    "safe_open.tensors": lambda p: dict(fastsafetensors_rs.safe_open(p).tensors()),
+    "SafeTensorsFileLoader": lambda p: _compat_loader(p).get_tensor("ids"),
+    "ParallelLoader": _parallel_loader,
+}
+
+
+@pytest.mark.parametrize("var, value", list(CORE_SETTINGS)[:1] + list(CORE_SETTINGS)[4:] + list(PY_SETTINGS))
+@pytest.mark.parametrize("load", list(LOADS))
+def test_every_load_checks_every_setting(model, monkeypatch, load, var, value):
+    expected = {**CORE_SETTINGS, **PY_SETTINGS}[(var, value)]
+    monkeypatch.setenv(var, value)
+    error = ValueError if (var, value) in PY_SETTINGS else RuntimeError
+    assert one_line_error(error, LOADS[load], str(model)) == setting_error(var, value, expected)
+    monkeypatch.delenv(var)
+    assert LOADS[load](str(model)) is not None

@@ -30,7 +30,7 @@ from .types import (
 
 logger = logging.getLogger("fastsafetensors_rs.compat")
 
-PathLike = Union[str, os.PathLike]
+PathLike = Union[str, bytes, os.PathLike]
 _FRAMEWORKS = ("pytorch", "pt", "torch")
 
 
@@ -197,7 +197,7 @@ class SafeTensorsFileLoader:
             hints.append(dist.get_rank())
         self.device: torch.device = resolve_device(device, hints)
         self.nogds = nogds
-        self.reader = reader
+        self.reader = _api._reader(reader)
         self._headers: Dict[str, _Header] = {}
         self._owner_of: Dict[str, str] = {}  # tensor name -> path
 
@@ -241,10 +241,7 @@ class SafeTensorsFileLoader:
                     f"add_filenames: rank {rank!r} is not a rank of the process group "
                     f"(size {self._group.size})"
                 )
-            if isinstance(paths, (str, os.PathLike)):
-                paths = [paths]
-            for p in paths:
-                path = os.fspath(p)
+            for path in _api._paths(paths):
                 known = self._headers.get(path)
                 if known is not None and known.rank != rank:
                     raise ValueError(
@@ -334,7 +331,7 @@ class fastsafe_open:
         self.loader = SafeTensorsFileLoader(
             pg, device, nogds=nogds, debug_log=debug_log, framework=framework, **kwargs
         )
-        if isinstance(filenames, (str, os.PathLike)):
+        if isinstance(filenames, (str, bytes, os.PathLike)):
             file_dict: Mapping[int, Sequence[PathLike]] = {0: [filenames]}
         elif isinstance(filenames, Mapping):
             file_dict = filenames

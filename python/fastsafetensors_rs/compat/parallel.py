@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Deque, Dict, Generator, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, Generator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from .. import api as _api
 from .loader import LoadPlan, PathLike, SafeTensorsFileLoader, open_buffer, read_header
 from .types import Device
 
@@ -28,7 +28,7 @@ class ParallelLoader:
 
     Args:
         pg: a process group, or `SingleGroup()`/None for one process.
-        hf_weights_files: the .safetensors files, in the order to read them.
+        hf_weights_files: the .safetensors files, in the order to read them (or one file).
         max_concurrent_producers: must be 1 (as in the original).
         queue_size: how far reading runs ahead: -1 reads each batch only when the previous
             one is done, 0 (default) reads one batch ahead, n > 0 reads n + 1 batches ahead.
@@ -53,7 +53,7 @@ class ParallelLoader:
     def __init__(
         self,
         pg: Any,
-        hf_weights_files: Sequence[PathLike],
+        hf_weights_files: Union[PathLike, Sequence[PathLike]],
         max_concurrent_producers: int = 1,
         queue_size: int = 0,
         use_tqdm_on_load: bool = True,
@@ -87,7 +87,7 @@ class ParallelLoader:
             **kwargs,
         )
         self.pg = pg
-        self.hf_weights_files: List[str] = [os.fspath(f) for f in hf_weights_files]
+        self.hf_weights_files: List[str] = _api._paths(hf_weights_files)
         self.queue_size = queue_size
         self.use_tqdm_on_load = use_tqdm_on_load
         group = self.loader._group
