@@ -332,7 +332,11 @@ def test_max_memory_strings_are_checked_by_the_loaders_own_rule(size):
     except RuntimeError as e:
         assert str(e) == f"invalid argument: max_memory={size!r} is not valid: expected {api.SIZE}"
         op_takes = False
-    assert api._is_size(size) == op_takes
+    if op_takes:
+        assert api._max_memory(size) == size
+    else:
+        with pytest.raises(ValueError, match=f"^max_memory={re.escape(repr(size))} is not valid"):
+            api._max_memory(size)
 
 
 def test_good_arguments_still_load(model):
