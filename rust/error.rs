@@ -49,6 +49,12 @@ pub enum Error {
     /// Two files hold a tensor of the same name.
     #[error("tensor '{name}' is in both {} and {}", .first.display(), .second.display())]
     DuplicateTensor { name: String, first: PathBuf, second: PathBuf },
+    /// A file was given twice to one load.
+    #[error("{}: given twice: pass each file once", .path.display())]
+    FileGivenTwice { path: PathBuf },
+    /// A tensor asked for by name (rows of it, say) is in none of the files.
+    #[error("{}: no tensor named '{name}'", files_list(.files))]
+    NoSuchTensor { name: String, files: Vec<PathBuf> },
     /// Names an exact `tensor_filter` asked for that are in none of the files.
     #[error("{}", missing_message(.names, .files))]
     MissingTensors { names: Vec<String>, files: Vec<PathBuf> },
@@ -86,12 +92,18 @@ fn missing_message(names: &[String], files: &[PathBuf]) -> String {
     if names.len() > SHOWN {
         listed.push(format!("and {} more", names.len() - SHOWN));
     }
-    let mut where_ = files.iter().take(3).map(|f| f.display().to_string()).collect::<Vec<_>>().join(", ");
-    if files.len() > 3 {
-        where_.push_str(&format!(" and {} more", files.len() - 3));
-    }
+    let where_ = files_list(files);
     let (count, noun) = (names.len(), if names.len() == 1 { "tensor" } else { "tensors" });
     format!("tensor_filter names {count} {noun} that are in none of the files ({where_}): {}", listed.join(", "))
+}
+
+/// "a, b, c and 2 more": the files an error is about.
+fn files_list(files: &[PathBuf]) -> String {
+    let mut out = files.iter().take(3).map(|f| f.display().to_string()).collect::<Vec<_>>().join(", ");
+    if files.len() > 3 {
+        out.push_str(&format!(" and {} more", files.len() - 3));
+    }
+    out
 }
 
 fn more_problems(more: usize, path: &std::path::Path) -> String {

@@ -442,7 +442,17 @@ struct RawHeader {
 struct RawTensor {
     dtype: String,
     shape: Vec<u64>,
+    #[serde(deserialize_with = "begin_end")]
     data_offsets: (u64, u64),
+}
+
+/// `data_offsets`: exactly `[begin, end]` (a pair would otherwise fail as "trailing characters").
+fn begin_end<'de, D: Deserializer<'de>>(deserializer: D) -> Result<(u64, u64), D::Error> {
+    let offsets = Vec::<u64>::deserialize(deserializer)?;
+    match offsets[..] {
+        [begin, end] => Ok((begin, end)),
+        _ => Err(de::Error::custom(format!("data_offsets must be [begin, end], not {} numbers", offsets.len()))),
+    }
 }
 
 impl<'de> Deserialize<'de> for RawHeader {
@@ -496,6 +506,15 @@ mod tests {
         out.extend_from_slice(json.as_bytes());
         out.resize(out.len() + data_len, 0);
         out
+    }
+
+    #[test]
+    fn data_offsets_are_a_pair() {
+        for (offsets, n) in [("[0,8,9]", 3), ("[0]", 1), ("[]", 0)] {
+            let json = format!(r#"{{"x":{{"dtype":"U8","shape":[8],"data_offsets":{offsets}}}}}"#);
+            let err = parse(&file(&json, 8)).unwrap_err().to_string();
+            assert!(err.contains(&format!("tensor 'x': data_offsets must be [begin, end], not {n} numbers")), "{err}");
+        }
     }
 
     #[test]

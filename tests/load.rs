@@ -162,3 +162,21 @@ fn special_files_are_refused_without_blocking() {
         assert!(matches!(err, Error::NotAFile { .. }), "{}: {err}", path.display());
     }
 }
+
+#[test]
+fn a_file_given_twice_is_named_once() {
+    let dir = TempDir::new("twice");
+    let path = dir.write("x.safetensors", &safetensors(TENSORS, 8));
+    let err = plan_files(&[path.clone(), path.clone()]).err().expect("a file given twice is refused").to_string();
+    assert_eq!(err, format!("{}: given twice: pass each file once", path.display()));
+}
+
+#[test]
+fn rows_of_a_tensor_in_no_file_name_the_tensor_not_a_filter() {
+    use fastsafetensors::plan::select::{RowRange, Selection};
+    let dir = TempDir::new("rows-missing");
+    let path = dir.write("x.safetensors", &safetensors(TENSORS, 8));
+    let rows = Selection { filter: None, rows: vec![RowRange { name: "nope".into(), start: 0, stop: 1 }] };
+    let err = plan_files(std::slice::from_ref(&path)).unwrap().select(&rows).err().unwrap().to_string();
+    assert_eq!(err, format!("{}: no tensor named 'nope'", path.display()));
+}

@@ -14,7 +14,7 @@ pub mod checkpoint;
 pub mod device_stream;
 pub mod stream;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -59,6 +59,9 @@ pub struct Planned {
 /// Opens `paths`, validates every header and the names across files. Nothing is read until
 /// every header is known to be good.
 pub fn plan_files(paths: &[PathBuf]) -> Result<Planned> {
+    if let Some(twice) = paths.iter().enumerate().find_map(|(i, p)| paths[..i].contains(p).then_some(p)) {
+        return Err(Error::FileGivenTwice { path: twice.clone() });
+    }
     let sources =
         paths.iter().map(|p| Ok(Arc::new(LocalFile::open(p)?) as Arc<dyn Source>)).collect::<Result<Vec<_>>>()?;
     plan_sources(sources)
@@ -126,6 +129,12 @@ impl Planned {
     /// Keeps only the tensors `selection` asks for, cut to their row ranges. An exact filter
     /// naming tensors that are in none of the files is an error listing them.
     pub fn select(mut self, selection: &Selection) -> Result<Planned> {
+        if !selection.rows.is_empty() {
+            let names: HashSet<&str> = self.tensors.iter().map(|t| t.name.as_str()).collect();
+            if let Some(r) = selection.rows.iter().find(|r| !names.contains(r.name.as_str())) {
+                return Err(Error::NoSuchTensor { name: r.name.clone(), files: self.paths() });
+            }
+        }
         if let Some(filter) = &selection.filter {
             let missing = filter.missing(self.tensors.iter().map(|t| t.name.as_str()));
             if !missing.is_empty() {

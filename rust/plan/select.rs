@@ -135,9 +135,24 @@ fn compile<S: AsRef<str>>(regexes: impl Iterator<Item = String>, patterns: &[S])
             .iter()
             .zip(patterns)
             .find_map(|(r, p)| regex::Regex::new(r).err().map(|e| (p.as_ref().to_owned(), e)))
-            .map_or_else(|| (String::new(), "too large".to_owned()), |(p, e)| (p, e.to_string()));
+            .map_or_else(|| (String::new(), "too large".to_owned()), |(p, e)| (p, one_line(&e)));
         Error::InvalidArgument(format!("tensor_filter pattern '{pattern}' is not valid: {error}"))
     })
+}
+
+/// The regex crate's error in one line: its message spans several (the pattern, a caret under
+/// the place, then `error: what`); keep what is wrong and where.
+fn one_line(error: &regex::Error) -> String {
+    let text = error.to_string();
+    let what = text.lines().find_map(|l| l.trim().strip_prefix("error: ")).unwrap_or(text.trim());
+    match text.lines().find_map(|l| l.trim_start().starts_with('^').then(|| l.find('^'))).flatten() {
+        // The pattern line above the caret is indented as much as the caret's line.
+        Some(caret) => {
+            let indent = text.lines().nth(1).map_or(0, |l| l.len() - l.trim_start().len());
+            format!("{what} (at character {})", caret.saturating_sub(indent) + 1)
+        }
+        None => what.to_owned(),
+    }
 }
 
 /// The regular expression matching exactly the names the shell pattern `glob` matches, with
@@ -291,7 +306,12 @@ mod tests {
     #[test]
     fn invalid_regex_names_the_pattern() {
         let err = TensorFilter::new(MatchMode::Regex, &["ok", "bad("]).unwrap_err().to_string();
-        assert!(err.contains("'bad('") && err.contains("not valid"), "{err}");
+        assert_eq!(err, "invalid argument: tensor_filter pattern 'bad(' is not valid: unclosed group (at character 4)");
+        let err = TensorFilter::new(MatchMode::Regex, &[r"w\.[z-a]"]).unwrap_err().to_string();
+        assert!(
+            err.ends_with("is not valid: invalid character class range, the start must be <= the end (at character 5)"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -358,3 +358,50 @@ def test_the_cli_reports_a_path_that_is_not_utf8_as_the_loader_does_and_goes_on(
         doc = json.loads(capsys.readouterr().out)
         assert doc["problems"] == [str(info.value)]
         assert [f["path"] for f in doc["files"]] == [str(good)] and doc["files"][0]["valid"]
+
+
+# ---------------------------------------------------------------- messages that name what is wrong
+
+
+def _one_line(error, call, *args, **kwargs) -> str:
+    with pytest.raises(error) as info:
+        call(*args, **kwargs)
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+def test_a_dtype_torch_lacks_is_refused_naming_the_file(tmp_path):
+    path = U.write_raw(tmp_path / "f6.safetensors", {"x": {"dtype": "F6_E2M3", "shape": [4], "data_offsets": [0, 3]}},
+                       b"\0" * 3)
+    assert _one_line(RuntimeError, fastsafetensors_rs.load_file, path) == (
+        f"{path}: tensor 'x': dtype F6_E2M3 has no torch equivalent")
+    with pytest.raises(RuntimeError, match=re.escape(f"{path}: tensor 'x'")):
+        list(fastsafetensors_rs.stream(path))
+
+
+def test_an_invalid_regex_is_one_line_saying_what_and_where(tmp_path):
+    path = U.write_raw(tmp_path / "a.safetensors", {"a": F32_1}, b"\0" * 4)
+    assert _one_line(ValueError, fastsafetensors_rs.load_file, path, tensor_filter=r"w\.(",
+                     tensor_name_match_mode="regex") == (
+        r"tensor_filter pattern 'w\.(' is not valid: unclosed group (at character 4)")
+
+
+def test_rows_of_a_tensor_in_no_file_name_the_tensor(tmp_path):
+    path = U.write_raw(tmp_path / "a.safetensors", {"a": F32_1}, b"\0" * 4)
+    assert _one_line(RuntimeError, ops.load_rows, str(path), "nope", 0, 1) == f"{path}: no tensor named 'nope'"
+
+
+def test_a_file_given_twice_is_said_so(tmp_path):
+    path = U.write_raw(tmp_path / "x.safetensors", {"a": F32_1}, b"\0" * 4)
+    assert _one_line(RuntimeError, fastsafetensors_rs.load, [path, path]) == (
+        f"{path}: given twice: pass each file once")
+
+
+@pytest.mark.parametrize("offsets", [[0, 8, 9], [0], []])
+def test_data_offsets_must_be_a_pair(tmp_path, offsets):
+    path = U.write_raw(tmp_path / "x.safetensors", {"x": {"dtype": "U8", "shape": [8], "data_offsets": offsets}},
+                       b"\0" * 8)
+    message = _one_line(RuntimeError, fastsafetensors_rs.load_file, path)
+    assert message.startswith(f"{path}: ") and (
+        f"tensor 'x': data_offsets must be [begin, end], not {len(offsets)} numbers" in message), message
