@@ -30,6 +30,8 @@ import scenarios
 PAGE = os.sysconf("SC_PAGE_SIZE")
 REPO = Path(__file__).resolve().parent.parent
 READERS = ["auto", "direct", "mmap"]
+# Where `--baseline` passes its directory to the workers.
+BASELINE_ENV = "FASTSAFETENSORS_BENCH_BASELINE"
 # Idle time before each cold run, so that no run inherits the tail of the previous one's I/O.
 SETTLE_SECONDS = 2.0
 Results = dict[str, dict[str, dict[str, Any]]]  # loader -> "cold"/"warm" -> summary
@@ -202,6 +204,7 @@ def worker(loader: str, files: list[str]) -> dict[str, Any]:
         import scenarios
 
         return scenarios.worker(loader, files)
+    loader = loader.removeprefix("base:")  # the other build is on the path already
     nbytes = sum(os.path.getsize(f) for f in files)
     if loader.startswith("dd"):
         start = time.perf_counter()
@@ -255,9 +258,13 @@ def verify(files: list[str]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------- driver
 def spawn(role: str, name: str, files: list[Path]) -> dict[str, Any]:
-    """Run ``--worker``/``--verify`` in a fresh interpreter; parse its JSON reply."""
+    """Run ``--worker``/``--verify`` in a fresh interpreter; parse its JSON reply. A ``base:``
+    row runs with the ``--baseline`` build of the package first on the import path."""
+    env = None
+    if name.startswith("base:"):
+        env = dict(os.environ, PYTHONPATH=os.environ[BASELINE_ENV])
     proc = subprocess.run([sys.executable, __file__, f"--{role}", name, *map(str, files)],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=env)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         code = proc.returncode
@@ -371,6 +378,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--extra", default="", help="extra comma-separated rows, e.g. "
                     "ours:direct,ours:mmap,safetensors:pread")
     ap.add_argument("--json", type=Path, help="also write the results to this JSON file")
+    ap.add_argument("--baseline", type=Path, help="another build of the package, installed with "
+                    "`pip install --no-deps --target DIR WHEEL`, measured beside this one: its rows "
+                    "are `base:ours` and `base:ours-file` (a change's before and after, in one run)")
     ap.add_argument("--no-throughput", action="store_true", help="skip the throughput table (scenarios only)")
     scenarios.add_arguments(ap)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -403,6 +413,9 @@ def main() -> int:
             print("correctness: " + ("FAILED: " + "; ".join(check["errors"]) if failed else
                   f"OK, every tensor bitwise equal (ours-file; ours, readers {', '.join(READERS)})"))
         extra = [name for name in args.extra.split(",") if name]
+        if args.baseline:
+            os.environ[BASELINE_ENV] = str(args.baseline.resolve())
+            extra += ["base:ours", "base:ours-file"]
         ours = (["ours", "ours-file"] if available else []) + [
             name for name in extra if available and name.startswith("ours")]
         peers = ["safetensors"] + [name for name in extra if not name.startswith("ours")]
