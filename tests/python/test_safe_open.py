@@ -383,6 +383,11 @@ def test_handle_holds_its_file_until_closed_or_dropped(tmp_path):
     del f
     gc.collect()
     assert _fds_on(path) == 0, "so does dropping the handle"
+    f = safe_open(path)
+    kept = f.get_tensor("a")
+    del f
+    assert _fds_on(path) == 0, "at once, with no cycle for the garbage collector to find"
+    assert kept.shape == (6, 5)
     with safe_open(path) as f:
         part = f.get_slice("a")[0:2]
     assert _fds_on(path) == 0, "and leaving the with block"
