@@ -25,6 +25,7 @@ namespace fastsafetensors {
 namespace {
 
 using TensorDict = c10::Dict<std::string, at::Tensor>;
+using Metadata = std::optional<c10::Dict<std::string, std::string>>;
 // Names and tensors in read order (and how each file was read).
 using NamedTensors = std::tuple<std::vector<std::string>, std::vector<at::Tensor>>;
 using LoadResult = std::tuple<std::vector<std::string>, std::vector<at::Tensor>, std::vector<std::string>>;
@@ -44,14 +45,11 @@ std::string_view view(const ::rust::String& s) { return {s.data(), s.size()}; }
 // The torch dtype of a safetensors dtype name (Rust has refused the names torch lacks).
 at::ScalarType scalar_type(std::string_view dtype) {
   static const std::unordered_map<std::string_view, at::ScalarType> table = {
-      {"BOOL", at::kBool},  {"U8", at::kByte},           {"I8", at::kChar},
-      {"I16", at::kShort},  {"U16", at::kUInt16},        {"I32", at::kInt},
-      {"U32", at::kUInt32}, {"I64", at::kLong},          {"U64", at::kUInt64},
-      {"F16", at::kHalf},   {"BF16", at::kBFloat16},     {"F32", at::kFloat},
-      {"F64", at::kDouble}, {"C64", at::kComplexFloat},  {"F8_E4M3", at::kFloat8_e4m3fn},
-      {"F8_E5M2", at::kFloat8_e5m2},                     {"F8_E4M3FNUZ", at::kFloat8_e4m3fnuz},
-      {"F8_E5M2FNUZ", at::kFloat8_e5m2fnuz},             {"F8_E8M0", at::kFloat8_e8m0fnu},
-      {"F4", at::kFloat4_e2m1fn_x2},
+      {"BOOL", at::kBool}, {"U8", at::kByte}, {"I8", at::kChar}, {"I16", at::kShort}, {"U16", at::kUInt16},
+      {"I32", at::kInt}, {"U32", at::kUInt32}, {"I64", at::kLong}, {"U64", at::kUInt64}, {"F16", at::kHalf},
+      {"BF16", at::kBFloat16}, {"F32", at::kFloat}, {"F64", at::kDouble}, {"C64", at::kComplexFloat},
+      {"F8_E4M3", at::kFloat8_e4m3fn}, {"F8_E5M2", at::kFloat8_e5m2}, {"F8_E4M3FNUZ", at::kFloat8_e4m3fnuz},
+      {"F8_E5M2FNUZ", at::kFloat8_e5m2fnuz}, {"F8_E8M0", at::kFloat8_e8m0fnu}, {"F4", at::kFloat4_e2m1fn_x2},
   };
   auto it = table.find(dtype);
   TORCH_CHECK(it != table.end(), "fastsafetensors: internal error: no torch dtype for ", std::string(dtype));
@@ -154,10 +152,9 @@ TensorDict to_dict(NamedTensors&& named) {
   return out;
 }
 
-// The tensors of host buffers, as Rust specified them; `to`: a device to move each to before
-// its cast. The loader gives up its references first, and each buffer's handle here goes
-// once its tensors are made (they come buffer by buffer), so that a buffer whose tensors were
-// all copied or cast is freed before the next one's casts.
+// The tensors of host buffers, as Rust specified them; `to`: a device to move each to before its
+// cast. The loader gives up its references first, and each buffer's handle here goes once its
+// tensors are made (buffer by buffer): a buffer whose tensors were copied or cast is freed first.
 NamedTensors host_tensors(rs::LoadedFiles& loaded, const std::optional<c10::Device>& to = std::nullopt) {
   std::vector<Buffer> buffers;
   for (size_t i = 0; i < loaded.buffer_count(); ++i) buffers.push_back(SharedBuffer::take(loaded.take_buffer(i)));
@@ -183,9 +180,8 @@ c10::Device cuda_device(const rs::DeviceSpec& spec) {
   return spec.index < 0 ? cuda_hooks().getDevice() : c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(spec.index));
 }
 
-// An event recorded on torch's current stream of a device once the file buffers are
-// allocated: the caching allocator may hand out memory that work queued there still uses,
-// so the loader orders its copies after it. Destroyed with this object.
+// An event recorded on torch's current stream once the buffers are allocated: the caching allocator
+// may hand out memory that work queued there still uses, so the copies are ordered after it.
 class ReadyEvent {
  public:
   explicit ReadyEvent(const c10::Device& device) : index_(device.index()) {
@@ -208,9 +204,8 @@ at::Tensor device_bytes(int64_t len, const c10::Device& device) {
   return at::empty({len}, at::TensorOptions(at::kByte).device(device));
 }
 
-// Whole files copied to the device, group by group as Rust groups them. Destination memory
-// comes from torch's caching allocator, so torch's memory statistics (which vLLM sizes its KV
-// cache from) count it.
+// Whole files copied to the device, group by group as Rust groups them, into memory from torch's
+// caching allocator, so that torch's memory statistics (which vLLM sizes its KV cache from) count it.
 LoadResult load_to_cuda(const rs::PlannedFiles& planned, const std::string& reader, std::optional<bool> nogds) {
   const c10::Device device = cuda_device(planned.target());
   const int32_t gds = nogds.has_value() ? static_cast<int32_t>(*nogds) : -1;
@@ -244,10 +239,10 @@ LoadResult load_to_cuda(const rs::PlannedFiles& planned, const std::string& read
 LoadResult load_named(
     std::vector<std::string> files, std::string device, std::optional<at::ScalarType> dtype,
     std::optional<std::string> reader, std::optional<bool> nogds,
-    std::optional<std::vector<std::string>> tensor_filter, std::string tensor_name_match_mode) {
+    std::optional<std::vector<std::string>> tensor_filter, std::string tensor_name_match_mode, int64_t handle) {
   const auto paths = to_rust(files);
   const auto chosen = selection(tensor_filter, tensor_name_match_mode);
-  auto planned = call_rust([&] { return rs::plan_load(paths, chosen, device, dtype_name(dtype)); });
+  auto planned = call_rust([&] { return rs::plan_load(paths, chosen, device, dtype_name(dtype), handle); });
   const std::string how = reader.value_or("");
   if (planned->route() == rs::Route::Device) return load_to_cuda(*planned, how, nogds);
   std::optional<c10::Device> to;
@@ -263,7 +258,7 @@ Loaded load_with_report(std::vector<std::string> files, std::string device, std:
                         std::optional<std::string> reader, std::optional<bool> nogds,
                         std::optional<std::vector<std::string>> tensor_filter, std::string tensor_name_match_mode) {
   auto [names, tensors, read_paths] = load_named(std::move(files), std::move(device), dtype, std::move(reader), nogds,
-                                                 std::move(tensor_filter), std::move(tensor_name_match_mode));
+                                                 std::move(tensor_filter), std::move(tensor_name_match_mode), -1);
   return {to_dict(NamedTensors{std::move(names), std::move(tensors)}), std::move(read_paths)};
 }
 
@@ -275,8 +270,9 @@ TensorDict load(std::vector<std::string> files, std::string device, std::optiona
 }
 
 // Rows [start, stop) of tensor `name`, reading only their bytes.
-at::Tensor load_rows(std::string file, std::string name, int64_t start, int64_t stop, std::optional<std::string> reader) {
-  auto loaded = call_rust([&] { return rs::load_rows(file, name, start, stop, reader.value_or("")); });
+at::Tensor load_rows(std::string file, std::string name, int64_t start, int64_t stop, std::optional<std::string> reader,
+                     int64_t handle) {
+  auto loaded = call_rust([&] { return rs::load_rows(file, name, start, stop, reader.value_or(""), handle); });
   auto tensors = std::get<1>(host_tensors(*loaded));
   TORCH_CHECK(tensors.size() == 1, "fastsafetensors: internal error: ", tensors.size(), " tensors for one row range");
   return tensors.front();
@@ -284,20 +280,18 @@ at::Tensor load_rows(std::string file, std::string name, int64_t start, int64_t 
 
 // Names of the tensors a filter selects, in read order, from the headers alone.
 std::vector<std::string> selected(std::vector<std::string> files, std::optional<std::vector<std::string>> tensor_filter,
-                                  std::string tensor_name_match_mode) {
+                                  std::string tensor_name_match_mode, int64_t handle) {
   auto paths = to_rust(files);
   const auto chosen = selection(tensor_filter, tensor_name_match_mode);
-  return from_rust(call_rust([&] { return rs::selected_names(paths, chosen); }));
+  return from_rust(call_rust([&] { return rs::selected_names(paths, chosen, handle); }));
 }
 
-// A streaming load: `next()` returns the next group of tensors, in read order, as soon as
-// its bytes have arrived, while the reads of later groups go on in the background. Each
-// tensor keeps the buffer of its group alive; dropping the stream stops its reads.
-//
-// To the CPU, groups are read into host buffers within the memory budget. To a CUDA device,
-// each group gets an allocation of its own from torch's caching allocator (so torch's memory
-// statistics count it), and the copies of the groups Rust says to submit ahead, through the
-// pinned staging ring, run while the caller works on the current one.
+// A streaming load: `next()` returns the next group of tensors, in read order, as soon as its
+// bytes have arrived, while the reads of later groups go on in the background. Each tensor keeps
+// the buffer of its group alive; dropping the stream stops its reads. To the CPU, groups are
+// read into host buffers within the memory budget. To a CUDA device, each group gets an
+// allocation of its own from torch's caching allocator (so torch's memory statistics count it),
+// and the copies Rust says to submit ahead run through the pinned ring while the caller works.
 class TensorStream : public torch::CustomClassHolder {
  public:
   explicit TensorStream(::rust::Box<rs::TensorStream> stream) : target_(c10::kCPU), host_(std::move(stream)) {}
@@ -383,7 +377,7 @@ c10::intrusive_ptr<TensorStream> open_stream(std::vector<std::string> files, std
                                              std::optional<at::ScalarType> dtype, std::optional<std::string> reader,
                                              std::optional<std::vector<std::string>> tensor_filter,
                                              std::string tensor_name_match_mode,
-                                             std::optional<std::string> max_memory) {
+                                             std::optional<std::string> max_memory, int64_t handle) {
   const auto cast = dtype_name(dtype);
   const auto target = call_rust([&] { return rs::check_target(device, cast); });
   auto paths = to_rust(files);
@@ -391,28 +385,19 @@ c10::intrusive_ptr<TensorStream> open_stream(std::vector<std::string> files, std
   const std::string how = reader.value_or(""), budget = max_memory.value_or("");
   if (!target.cuda) {
     return c10::make_intrusive<TensorStream>(
-        call_rust([&] { return rs::open_stream(paths, how, chosen, budget, cast); }));
+        call_rust([&] { return rs::open_stream(paths, how, chosen, budget, cast, handle); }));
   }
   const c10::Device on = cuda_device(target);
-  auto stream = call_rust(
-      [&] { return rs::open_device_stream(paths, how, chosen, budget, cast, static_cast<size_t>(on.index())); });
+  auto stream = call_rust([&] {
+    return rs::open_device_stream(paths, how, chosen, budget, cast, static_cast<size_t>(on.index()), handle);
+  });
   return c10::make_intrusive<TensorStream>(std::move(stream), on);
 }
 
-rs::HeaderSpec header(const std::string& file) { return call_rust([&] { return rs::read_header(file); }); }
-
-std::optional<c10::Dict<std::string, std::string>> metadata_of(const rs::HeaderSpec& h) {
-  if (!h.has_metadata) return std::nullopt;
-  c10::Dict<std::string, std::string> out;
-  for (const auto& e : h.metadata) out.insert(std::string(e.key), std::string(e.value));
-  return out;
-}
-
 // Tensor names, dtypes and shapes in offset order, and the metadata, without reading data.
-std::tuple<std::vector<std::string>, std::vector<std::string>, std::vector<std::vector<int64_t>>,
-           std::optional<c10::Dict<std::string, std::string>>>
-describe(std::string file) {
-  const auto h = header(file);
+std::tuple<std::vector<std::string>, std::vector<std::string>, std::vector<std::vector<int64_t>>, Metadata> describe(
+    std::string file, int64_t handle) {
+  const auto h = call_rust([&] { return rs::read_header(file, handle); });
   std::vector<std::string> names, dtypes;
   std::vector<std::vector<int64_t>> shapes;
   for (const auto& t : h.tensors) {
@@ -420,7 +405,10 @@ describe(std::string file) {
     dtypes.emplace_back(t.dtype);
     shapes.emplace_back(t.shape.begin(), t.shape.end());
   }
-  return {std::move(names), std::move(dtypes), std::move(shapes), metadata_of(h)};
+  Metadata metadata;
+  if (h.has_metadata) metadata.emplace();
+  for (const auto& e : h.metadata) metadata->insert(std::string(e.key), std::string(e.value));  // has_metadata
+  return {std::move(names), std::move(dtypes), std::move(shapes), std::move(metadata)};
 }
 
 // Frees the pinned staging buffers kept for later CUDA loads; returns how many were freed.
@@ -440,13 +428,19 @@ std::tuple<std::vector<std::string>, std::optional<std::string>, std::vector<std
 
 double resident_fraction(std::string file) { return call_rust([&] { return rs::resident_fraction(file); }); }
 
+// A handle on `files`, opened now: the ops taking it read those, whatever becomes of the paths.
+int64_t open_handle(std::vector<std::string> files) {
+  return call_rust([&] { return rs::open_handle(to_rust(files)); });
+}
+bool close_handle(int64_t handle) { return rs::close_handle(handle); }
+
 std::vector<std::string> keys(std::string file) {
-  auto names = std::get<0>(describe(std::move(file)));
+  auto names = std::get<0>(describe(std::move(file), -1));
   std::sort(names.begin(), names.end());
   return names;
 }
 
-std::optional<c10::Dict<std::string, std::string>> metadata(std::string file) { return metadata_of(header(file)); }
+Metadata metadata(std::string file) { return std::get<3>(describe(std::move(file), -1)); }
 
 }  // namespace
 
@@ -458,27 +452,31 @@ TORCH_LIBRARY(fastsafetensors, m) {
       .def("file_path", &TensorStream::file_path)
       .def("tensor_count", &TensorStream::tensor_count)
       .def("byte_count", &TensorStream::byte_count);
-  // The arguments of every bulk load.
+  // The arguments of every bulk load. `int handle`, here and below: the files an `open_handle`
+  // holds open, which the op reads instead of opening `files` (-1: none).
 #define LOAD_ARGS                                                                                       \
   "(str[] files, str device=\"cpu\", ScalarType? dtype=None, str? reader=None, bool? nogds=None," \
-  " str[]? tensor_filter=None, str tensor_name_match_mode=\"glob\")"
-  m.def("load" LOAD_ARGS " -> Dict(str, Tensor)");
-  m.def("load_with_report" LOAD_ARGS " -> (Dict(str, Tensor), str[])");
-  m.def("load_named" LOAD_ARGS " -> (str[] names, Tensor[] tensors, str[] read_paths)");
+  " str[]? tensor_filter=None, str tensor_name_match_mode=\"glob\""
+  m.def("load" LOAD_ARGS ") -> Dict(str, Tensor)");
+  m.def("load_with_report" LOAD_ARGS ") -> (Dict(str, Tensor), str[])");
+  m.def("load_named" LOAD_ARGS ", int handle=-1) -> (str[] names, Tensor[] tensors, str[] read_paths)");
 #undef LOAD_ARGS
-  m.def("load_rows(str file, str name, int start, int stop, str? reader=None) -> Tensor");
+  m.def("load_rows(str file, str name, int start, int stop, str? reader=None, int handle=-1) -> Tensor");
   m.def(
       "open_stream(str[] files, str device=\"cpu\", ScalarType? dtype=None, str? reader=None,"
-      " str[]? tensor_filter=None, str tensor_name_match_mode=\"glob\", str? max_memory=None)"
+      " str[]? tensor_filter=None, str tensor_name_match_mode=\"glob\", str? max_memory=None, int handle=-1)"
       " -> __torch__.torch.classes.fastsafetensors.TensorStream");
-  m.def("selected(str[] files, str[]? tensor_filter=None, str tensor_name_match_mode=\"glob\") -> str[]");
+  m.def("selected(str[] files, str[]? tensor_filter=None, str tensor_name_match_mode=\"glob\", int handle=-1)"
+        " -> str[]");
   m.def("keys(str file) -> str[]");
   m.def("check_device(str device) -> str");
   m.def("checkpoint(str path) -> (str[] files, str? index, str[] problems)");
   m.def("resident_fraction(str file) -> float");
   m.def("release_staging_buffers() -> int");
   m.def("metadata(str file) -> Dict(str, str)?");
-  m.def("describe(str file) -> (str[] names, str[] dtypes, int[][] shapes, Dict(str, str)? metadata)");
+  m.def("describe(str file, int handle=-1) -> (str[] names, str[] dtypes, int[][] shapes, Dict(str, str)? metadata)");
+  m.def("open_handle(str[] files) -> int");
+  m.def("close_handle(int handle) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(fastsafetensors, CompositeExplicitAutograd, m) {
@@ -495,6 +493,8 @@ TORCH_LIBRARY_IMPL(fastsafetensors, CompositeExplicitAutograd, m) {
   m.impl("release_staging_buffers", TORCH_FN(release_staging_buffers));
   m.impl("metadata", TORCH_FN(metadata));
   m.impl("describe", TORCH_FN(describe));
+  m.impl("open_handle", TORCH_FN(open_handle));
+  m.impl("close_handle", TORCH_FN(close_handle));
 }
 
 }  // namespace fastsafetensors

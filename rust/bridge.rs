@@ -17,6 +17,7 @@ use crate::error::{Error, Result};
 use crate::format::Dtype;
 use crate::load::checkpoint::{self, Checkpoint};
 use crate::load::device_stream::{Copier, DeviceStream};
+use crate::load::handle::{Handles, OpenFiles};
 use crate::load::stream::{self, Group, StreamOptions};
 use crate::load::{self, DeviceCopy, DeviceOptions, DeviceTarget, LoadOptions, Loaded, Planned};
 use crate::plan::select::{MatchMode, RowRange, Selection, TensorFilter};
@@ -116,6 +117,14 @@ mod ffi {
         /// A reference on one file's host buffer; the buffer is freed when the last drops.
         type BufferRef;
 
+        /// Opens `paths` (each one `.safetensors` file) and validates their headers: a handle,
+        /// which the loads below take instead of reopening their `paths` (then some of those
+        /// opened), until `close_handle`. `handle` -1 there: open `paths` afresh.
+        fn open_handle(paths: &Vec<String>) -> Result<i64>;
+        /// Lets go of the files of `handle` (loads running from them keep them); false if it
+        /// was not open.
+        fn close_handle(handle: i64) -> bool;
+
         /// `device` parsed: "cpu", "cuda" or "cuda:N"; anything else is an error in one line.
         fn parse_device(device: &str) -> Result<DeviceSpec>;
         /// `device` parsed, `dtype` (torch's name, "" for none) checked as a cast target, and
@@ -129,6 +138,7 @@ mod ffi {
             selection: &TensorSelection,
             device: &str,
             dtype: &str,
+            handle: i64,
         ) -> Result<Box<PlannedFiles>>;
         fn target(self: &PlannedFiles) -> DeviceSpec;
         fn route(self: &PlannedFiles) -> Route;
@@ -162,8 +172,16 @@ mod ffi {
         /// For `Route::HostThenDevice` the casts are left for after the move.
         fn read_to_host(planned: Box<PlannedFiles>, reader: &str) -> Result<Box<LoadedFiles>>;
         /// Loads rows `[start, stop)` of tensor `name` of `path` into host memory, reading
-        /// only their bytes.
-        fn load_rows(path: &str, name: &str, start: i64, stop: i64, reader: &str) -> Result<Box<LoadedFiles>>;
+        /// only their bytes (with a handle, found by name: the cost does not grow with the
+        /// number of tensors).
+        fn load_rows(
+            path: &str,
+            name: &str,
+            start: i64,
+            stop: i64,
+            reader: &str,
+            handle: i64,
+        ) -> Result<Box<LoadedFiles>>;
         /// The tensors: buffers are those of `buffer()`, offsets are within them.
         fn tensors(self: &LoadedFiles) -> &Vec<TensorSpec>;
         /// How each file was read: "direct", "buffered", "mmap", "mmap-fallback" (mapped: direct
@@ -176,7 +194,7 @@ mod ffi {
         fn address(self: &BufferRef) -> usize;
 
         /// Names of the tensors `selection` picks from `paths`, in read order (headers only).
-        fn selected_names(paths: &Vec<String>, selection: &TensorSelection) -> Result<Vec<String>>;
+        fn selected_names(paths: &Vec<String>, selection: &TensorSelection, handle: i64) -> Result<Vec<String>>;
         /// A streaming load of the selected tensors of `paths` into host memory, holding at
         /// most `max_memory` ("" for `$FASTSAFETENSORS_MAX_MEMORY` or the default) of buffers,
         /// cast as `dtype` (torch's name, "" for none) says.
@@ -186,6 +204,7 @@ mod ffi {
             selection: &TensorSelection,
             max_memory: &str,
             dtype: &str,
+            handle: i64,
         ) -> Result<Box<TensorStream>>;
         /// Waits for the next group of tensors; false after the last.
         fn next_group(self: &mut TensorStream) -> Result<bool>;
@@ -214,6 +233,7 @@ mod ffi {
             max_memory: &str,
             dtype: &str,
             ordinal: usize,
+            handle: i64,
         ) -> Result<Box<DeviceTensorStream>>;
         fn group_count(self: &DeviceTensorStream) -> usize;
         /// The groups to submit now that group `k` is asked for, in order: `k` itself if it
@@ -237,8 +257,9 @@ mod ffi {
         fn tensor_count(self: &DeviceTensorStream) -> usize;
         fn byte_count(self: &DeviceTensorStream) -> u64;
 
-        /// Reads and validates one file's header without reading its data.
-        fn read_header(path: &str) -> Result<HeaderSpec>;
+        /// Reads and validates one file's header without reading its data (with a handle: the
+        /// header as it was opened).
+        fn read_header(path: &str, handle: i64) -> Result<HeaderSpec>;
         /// Fraction of the file's pages in the page cache (what `auto` decides by).
         fn resident_fraction(path: &str) -> Result<f64>;
         /// The files `path` (a file, checkpoint directory or index) stands for, with every
@@ -286,6 +307,9 @@ pub struct TensorStream {
     group: Option<Group>,
     specs: Vec<TensorSpec>,
 }
+
+/// The files `open_handle` opened, by handle.
+static HANDLES: Handles = Handles::new();
 
 /// Runs `f`, turning a panic into [`Error::Panic`].
 fn guard<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
@@ -354,10 +378,15 @@ fn reader_kind(reader: &str) -> Result<ReaderKind> {
     ReaderKind::resolve(Some(reader).filter(|r| !r.is_empty()))
 }
 
-/// Every load starts here: settings checked, paths resolved to files (directories and
-/// indexes expanded), headers validated, and the tensors checked against any index.
-fn plan(paths: &[String]) -> Result<Planned> {
+/// Every load starts here: settings checked, then, with a handle, the files it holds open
+/// (its headers validated when it was opened); without one, paths resolved to files
+/// (directories and indexes expanded), headers validated, and the tensors checked against
+/// any index.
+fn plan(paths: &[String], handle: i64) -> Result<Planned> {
     load::check_env()?;
+    if let Some(files) = opened(handle)? {
+        return files.plan(&paths.iter().map(PathBuf::from).collect::<Vec<_>>());
+    }
     let checkpoints = checkpoint::resolve_all(&paths.iter().map(PathBuf::from).collect::<Vec<_>>())?;
     let planned = load::plan_files(&checkpoint::files(&checkpoints))?;
     checkpoint::check_placed(&checkpoints, &planned.tensors)?;
@@ -365,8 +394,8 @@ fn plan(paths: &[String]) -> Result<Planned> {
 }
 
 /// The plan of `paths` narrowed to what `selection` picks, every tensor one torch can hold.
-fn plan_selected(paths: &[String], selection: &TensorSelection) -> Result<Planned> {
-    let planned = plan(paths)?.select(&selection.to_selection()?)?;
+fn plan_selected(paths: &[String], selection: &TensorSelection, handle: i64) -> Result<Planned> {
+    let planned = plan(paths, handle)?.select(&selection.to_selection()?)?;
     check_torch(&planned)?;
     Ok(planned)
 }
@@ -422,6 +451,22 @@ fn target_and_cast(device: &str, dtype: &str) -> Result<(Target, Option<Dtype>)>
     Ok((target, cast))
 }
 
+fn open_handle(paths: &Vec<String>) -> Result<i64> {
+    guard(|| Ok(HANDLES.insert(OpenFiles::open(&paths.iter().map(PathBuf::from).collect::<Vec<_>>())?)))
+}
+
+fn close_handle(handle: i64) -> bool {
+    guard(|| Ok(HANDLES.remove(handle))).unwrap_or(false)
+}
+
+/// The files open under `handle`; `None` for -1 (a load that opens its paths itself).
+fn opened(handle: i64) -> Result<Option<Arc<OpenFiles>>> {
+    if handle == -1 {
+        return Ok(None);
+    }
+    HANDLES.get(handle).map(Some)
+}
+
 fn parse_device(device: &str) -> Result<DeviceSpec> {
     guard(|| Ok(DeviceSpec::from(&Target::parse(device)?)))
 }
@@ -430,7 +475,13 @@ fn check_target(device: &str, dtype: &str) -> Result<DeviceSpec> {
     guard(|| Ok(DeviceSpec::from(&target_and_cast(device, dtype)?.0)))
 }
 
-fn plan_load(paths: &Vec<String>, selection: &TensorSelection, device: &str, dtype: &str) -> Result<Box<PlannedFiles>> {
+fn plan_load(
+    paths: &Vec<String>,
+    selection: &TensorSelection,
+    device: &str,
+    dtype: &str,
+    handle: i64,
+) -> Result<Box<PlannedFiles>> {
     guard(|| {
         let (target, cast) = target_and_cast(device, dtype)?;
         let route = match (&target, selection.filtered) {
@@ -439,7 +490,7 @@ fn plan_load(paths: &Vec<String>, selection: &TensorSelection, device: &str, dty
             (_, true) => Route::HostThenDevice,
             (_, false) => Route::Device,
         };
-        let planned = plan_selected(paths, selection)?;
+        let planned = plan_selected(paths, selection, handle)?;
         let outputs = if route == Route::Device {
             let files: Vec<usize> = planned.tensors.iter().map(|t| t.file).collect();
             target::outputs(&planned.tensors, &files, cast, |_| true)
@@ -537,22 +588,33 @@ fn read_to_host(planned: Box<PlannedFiles>, reader: &str) -> Result<Box<LoadedFi
     })
 }
 
-fn load_rows(path: &str, name: &str, start: i64, stop: i64, reader: &str) -> Result<Box<LoadedFiles>> {
+fn load_rows(path: &str, name: &str, start: i64, stop: i64, reader: &str, handle: i64) -> Result<Box<LoadedFiles>> {
     guard(|| {
         let (Ok(start), Ok(stop)) = (u64::try_from(start), u64::try_from(stop)) else {
             return Err(Error::InvalidArgument(format!("rows [{start}, {stop}) of '{name}': negative row index")));
         };
-        let exact = TensorFilter::new(MatchMode::Exact, &[name])?;
-        let selection = Selection { filter: Some(exact), rows: vec![RowRange { name: name.to_owned(), start, stop }] };
-        checkpoint::check_single_file(Path::new(path))?;
-        let planned = plan(&[path.to_owned()])?.select(&selection)?;
+        let planned = match opened(handle)? {
+            Some(files) => {
+                load::check_env()?;
+                files.plan_rows(Path::new(path), name, start, stop)?
+            }
+            None => {
+                let exact = TensorFilter::new(MatchMode::Exact, &[name])?;
+                let rows = vec![RowRange { name: name.to_owned(), start, stop }];
+                checkpoint::check_single_file(Path::new(path))?;
+                plan(&[path.to_owned()], -1)?.select(&Selection { filter: Some(exact), rows })?
+            }
+        };
         check_torch(&planned)?;
         Ok(LoadedFiles::new(planned.read_to_host(&load_options(reader)?)?, None, false))
     })
 }
 
-fn selected_names(paths: &Vec<String>, selection: &TensorSelection) -> Result<Vec<String>> {
-    guard(|| Ok(plan(paths)?.select(&selection.to_selection()?)?.tensors.into_iter().map(|t| t.name).collect()))
+fn selected_names(paths: &Vec<String>, selection: &TensorSelection, handle: i64) -> Result<Vec<String>> {
+    guard(|| {
+        let planned = plan(paths, handle)?.select(&selection.to_selection()?)?;
+        Ok(planned.tensors.into_iter().map(|t| t.name).collect())
+    })
 }
 
 fn open_stream(
@@ -561,10 +623,12 @@ fn open_stream(
     selection: &TensorSelection,
     max_memory: &str,
     dtype: &str,
+    handle: i64,
 ) -> Result<Box<TensorStream>> {
     guard(|| {
         let cast = target::cast_target(dtype)?;
-        let stream = stream::TensorStream::open(plan_selected(paths, selection)?, stream_options(reader, max_memory)?)?;
+        let planned = plan_selected(paths, selection, handle)?;
+        let stream = stream::TensorStream::open(planned, stream_options(reader, max_memory)?)?;
         Ok(Box::new(TensorStream { stream, cast, group: None, specs: Vec::new() }))
     })
 }
@@ -576,10 +640,12 @@ fn open_device_stream(
     max_memory: &str,
     dtype: &str,
     ordinal: usize,
+    handle: i64,
 ) -> Result<Box<DeviceTensorStream>> {
     guard(|| {
         let cast = target::cast_target(dtype)?;
-        let stream = DeviceStream::open(plan_selected(paths, selection)?, &stream_options(reader, max_memory)?)?;
+        let stream =
+            DeviceStream::open(plan_selected(paths, selection, handle)?, &stream_options(reader, max_memory)?)?;
         let copier = Copier::start(stream, move |ready| {
             // SAFETY: the extension keeps the event alive until it has waited for this copy.
             let ready = unsafe { ready_event(ready) };
@@ -778,13 +844,19 @@ fn checkpoint(path: &str) -> Result<CheckpointSpec> {
     })
 }
 
-fn read_header(path: &str) -> Result<HeaderSpec> {
+fn read_header(path: &str, handle: i64) -> Result<HeaderSpec> {
     guard(|| {
         let path = PathBuf::from(path);
-        checkpoint::check_single_file(&path)?;
-        let header = load::read_header(&path)?;
-        // The same checks across the file's tensors as a load makes.
-        plan::place(std::slice::from_ref(&path), std::slice::from_ref(&header))?;
+        let header = match opened(handle)? {
+            Some(files) => files.header(&path)?.clone(),
+            None => {
+                checkpoint::check_single_file(&path)?;
+                let header = load::read_header(&path)?;
+                // The same checks across the file's tensors as a load makes.
+                plan::place(std::slice::from_ref(&path), std::slice::from_ref(&header))?;
+                header
+            }
+        };
         let tensors = header
             .tensors
             .iter()

@@ -14,7 +14,7 @@
 //!   GPUDirect Storage, and a host-memory stand-in for tests;
 //! - [`load`]: the loads that run those for a set of files: paths resolved to checkpoint files
 //!   ([`load::checkpoint`]), bulk loads to host or device, streams ([`load::stream`],
-//!   [`load::device_stream`]);
+//!   [`load::device_stream`]), files held open across loads ([`load::handle`]);
 //! - [`bridge`]: the only FFI surface. The C++ torch extension calls it, wraps the buffers as
 //!   tensors and carries out what it says for each tensor.
 

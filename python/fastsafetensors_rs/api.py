@@ -25,6 +25,7 @@ import gc
 import logging
 import os
 import threading
+import weakref
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -134,15 +135,17 @@ def _paths(files: Union[PathLike, Iterable[PathLike]]) -> List[str]:
     return [_path(f) for f in files]
 
 
-def _filter_args(tensor_filter: TensorFilter, mode: str, paths: Sequence[str]) -> Tuple[Optional[List[str]], str]:
+def _filter_args(tensor_filter: TensorFilter, mode: str, paths: Sequence[str],
+                 handle: int = -1) -> Tuple[Optional[List[str]], str]:
     """The op's `tensor_filter` and `tensor_name_match_mode` for the user's arguments. A callable
-    is applied to every name in the headers and becomes the exact list of the names it picks."""
+    is applied to every name in the headers (of the files `handle` holds open, if given) and
+    becomes the exact list of the names it picks."""
     if mode not in MATCH_MODES:
         raise ValueError(f"tensor_name_match_mode={mode!r}: expected one of {', '.join(map(repr, MATCH_MODES))}")
     if tensor_filter is None:
         return None, mode
     if callable(tensor_filter):
-        return [name for name in ops.selected(list(paths)) if tensor_filter(name)], "exact"
+        return [name for name in ops.selected(list(paths), None, "glob", handle) if tensor_filter(name)], "exact"
     if isinstance(tensor_filter, (str, os.PathLike)):
         return [os.fspath(tensor_filter)], mode
     patterns = list(tensor_filter)
@@ -273,10 +276,18 @@ def load(
     paths = _paths(files)
     patterns, mode = _filter_args(tensor_filter, tensor_name_match_mode, paths)
     target, cast = _device_name(device), cast_dtype(dtype)
-    with _gc_paused():
-        names, tensors, read_paths = ops.load_named(paths, target, cast, reader, nogds, patterns, mode)
-        out = dict(zip(names, tensors))
+    out = _load(paths, target, cast, reader, nogds, patterns, mode)
     _nothing_selected(patterns, mode, len(out), paths)
+    return out
+
+
+def _load(paths: List[str], device: str, dtype: Optional[torch.dtype], reader: Optional[str], nogds: Optional[bool],
+          patterns: Optional[List[str]], mode: str, handle: int = -1) -> Dict[str, torch.Tensor]:
+    """`load` of checked arguments; `handle`: the files a `safe_open` holds open, to read
+    instead of opening `paths` (-1: none)."""
+    with _gc_paused():
+        names, tensors, read_paths = ops.load_named(paths, device, dtype, reader, nogds, patterns, mode, handle)
+        out = dict(zip(names, tensors))
     _report(paths, read_paths)
     return out
 
@@ -433,6 +444,11 @@ class safe_open:
       (until the handle is closed), so it reads without a budget; files whose direct reads
       would not fit in host memory are mapped instead, as `load` does.
 
+    The handle opens its files when it is made and holds them until it is closed (or dropped):
+    every read comes from the files it opened, as with safetensors, even if a path is replaced
+    (`os.replace`, as the Hugging Face Hub client does) or deleted meanwhile. A file written to
+    in place after opening fails the next read with an error naming it.
+
     `get_tensor(name)` streams the file holding `name` from its start on first access and
     returns as soon as `name` has arrived (reading the rest of the file goes on in the
     background); later calls find their tensors read or arriving. `get_slice(name)[a:b]` on a
@@ -462,29 +478,43 @@ class safe_open:
         self._reader = _reader(reader)
         self._nogds = _nogds(nogds)
         self._max_memory = _max_memory(max_memory)
-        self._patterns, self._mode = _filter_args(tensor_filter, tensor_name_match_mode, self._paths)
+        if not callable(tensor_filter):  # the arguments are checked before any file is opened
+            self._patterns, self._mode = _filter_args(tensor_filter, tensor_name_match_mode, self._paths)
+        self._files: Dict[int, _FileReader] = {}
+        self._closed = False
+        # transformers reads tensors from a thread pool: a file is read once however many ask.
+        self._lock = threading.Lock()
+        # The files, held open from here to close(): every op below reads them through it.
+        self._handle: int = ops.open_handle(self._paths)
+        try:
+            if callable(tensor_filter):  # asked about the names of the files opened
+                self._patterns, self._mode = _filter_args(tensor_filter, tensor_name_match_mode, self._paths,
+                                                          self._handle)
+            self._describe()
+        except BaseException:
+            self.close()
+            raise
+
+    def _describe(self) -> None:
+        """Names, dtypes, shapes and metadata from the headers read when the files were opened."""
         self._dtypes: Dict[str, str] = {}
         self._shapes: Dict[str, List[int]] = {}
         self._file_of: Dict[str, int] = {}
         self._metadata = None
         for i, path in enumerate(self._paths):
-            names, dtypes, shapes, metadata = ops.describe(path)
+            names, dtypes, shapes, metadata = ops.describe(path, self._handle)
             if i == 0:
                 self._metadata = None if metadata is None else dict(metadata)
             self._dtypes.update(zip(names, dtypes))
             self._shapes.update(zip(names, shapes))
             self._file_of.update((n, i) for n in names)
         if self._patterns is not None or len(self._paths) > 1:
-            # The loader's own view of the selection (and of names repeated across files).
-            self._offset_keys: List[str] = list(ops.selected(self._paths, self._patterns, self._mode))
+            # The loader's own view of the selection.
+            self._offset_keys: List[str] = list(ops.selected(self._paths, self._patterns, self._mode, self._handle))
             _nothing_selected(self._patterns, self._mode, len(self._offset_keys), self._paths)
         else:
             self._offset_keys = list(names) if self._paths else []
         self._selected = frozenset(self._offset_keys)
-        self._files: Dict[int, _FileReader] = {}
-        self._closed = False
-        # transformers reads tensors from a thread pool: a file is read once however many ask.
-        self._lock = threading.Lock()
 
     def __enter__(self) -> "safe_open":
         return self
@@ -493,10 +523,19 @@ class safe_open:
         self.close()
 
     def close(self) -> None:
-        """Drops this handle's references and stops its reads; tensors already returned stay valid."""
+        """Lets go of the files, drops this handle's references and stops its reads; tensors
+        already returned stay valid."""
         with self._lock:
+            if not self._closed and hasattr(self, "_handle"):
+                ops.close_handle(self._handle)
             self._closed = True
             self._files.clear()
+
+    def __del__(self) -> None:
+        # Without close(), the files are let go of with the handle. At interpreter exit the
+        # ops may be gone already; the process lets go of everything then anyway.
+        with contextlib.suppress(Exception):
+            self.close()
 
     def keys(self) -> List[str]:
         return sorted(self._offset_keys)
@@ -524,8 +563,9 @@ class safe_open:
         have arrived while later reads go on (see `stream`, which this is, for the memory a
         tensor keeps alive). Independent of `get_tensor`: each call reads the files again."""
         self._check_open()
-        return stream(self._paths, device=self._device, reader=self._reader, tensor_filter=self._patterns,
-                      tensor_name_match_mode=self._mode, max_memory=self._max_memory)
+        check_settings()  # as every load does
+        return TensorIterator(ops.open_stream(self._paths, self._device, None, self._reader, self._patterns,
+                                              self._mode, self._max_memory, self._handle))
 
     def _check(self, name: str) -> None:
         if name not in self._selected:
@@ -557,7 +597,10 @@ class _FileReader:
     its tensor; for CUDA it is loaded in one bulk load (GPUDirect Storage or staged copies)."""
 
     def __init__(self, handle: safe_open, path: str):
-        self._handle = handle
+        # Not a reference: the handle holds its readers, and a cycle would keep a dropped handle
+        # (and the files it holds open) until the garbage collector runs. It is alive whenever
+        # `get` runs, since its caller holds it.
+        self._handle = weakref.proxy(handle)
         self._path = path
         self._stream = None
         self.arrived: Dict[str, torch.Tensor] = {}
@@ -568,14 +611,15 @@ class _FileReader:
             if name in self.arrived:
                 return self.arrived[name]
             h = self._handle
+            check_settings()  # as every load does
             if h._device != "cpu":
-                self.arrived = load([self._path], device=h._device, reader=h._reader, nogds=h._nogds,
-                                    tensor_filter=h._patterns, tensor_name_match_mode=h._mode)
+                self.arrived = _load([self._path], h._device, None, h._reader, h._nogds, h._patterns, h._mode,
+                                     h._handle)
             elif self._stream is None:
-                check_settings()  # as every load does
                 # No budget: the handle keeps everything it reads (files that would not fit in
                 # host memory are mapped instead, as in `load`).
-                self._stream = _open_stream([self._path], h._device, h._reader, h._patterns, h._mode, "unlimited")
+                self._stream = _open_stream([self._path], h._device, h._reader, h._patterns, h._mode, "unlimited",
+                                            h._handle)
             while name not in self.arrived:
                 with _gc_paused():
                     group = self._stream.next() if self._stream is not None else None
@@ -586,9 +630,10 @@ class _FileReader:
 
 
 def _open_stream(paths: List[str], device: str, reader: Optional[str], patterns: Optional[List[str]], mode: str,
-                 max_memory: Optional[str]):
-    """The op's stream; one place, so that tests can count the streams opened."""
-    return ops.open_stream(paths, device, None, reader, patterns, mode, max_memory)
+                 max_memory: Optional[str], handle: int):
+    """The op's stream of files `handle` holds open; one place, so that tests can count the
+    streams opened."""
+    return ops.open_stream(paths, device, None, reader, patterns, mode, max_memory, handle)
 
 
 def _rows(index, shape: Sequence[int]) -> Optional[Tuple[int, int, tuple]]:
@@ -627,7 +672,7 @@ class TensorSlice:
             h._check_open()
             check_settings()
             start, stop, rest = rows
-            part = ops.load_rows(h._paths[h._file_of[self._name]], self._name, start, stop, h._reader)
+            part = ops.load_rows(h._paths[h._file_of[self._name]], self._name, start, stop, h._reader, h._handle)
             if h._device != "cpu":
                 part = part.to(h._device)
             return part[(slice(None),) + rest].contiguous() if rest else part

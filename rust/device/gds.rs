@@ -17,9 +17,8 @@
 //! registration is undone on success and on failure; each file says whether it was read whole,
 //! for the caller to read the others on the staged path (or fail, when GDS was required).
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::OpenOptionsExt;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
@@ -141,11 +140,8 @@ struct Opened<'a, A: CuFileApi> {
 
 impl<'a, A: CuFileApi> Opened<'a, A> {
     fn open(api: &'a A, src: &LocalFile) -> Result<Opened<'a, A>, String> {
-        let file = OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(src.path())
-            .map_err(|e| format!("open with O_DIRECT failed: {e}"))?;
+        // The file opened, whatever its path names now.
+        let file = src.reopen(libc::O_DIRECT).map_err(|e| format!("open with O_DIRECT failed: {e}"))?;
         let handle = api.register_handle(file.as_raw_fd())?;
         Ok(Opened { api, handle, _file: file })
     }

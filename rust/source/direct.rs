@@ -3,9 +3,9 @@
 //! [`BlockReader`] reads one block of a file into page-aligned memory; the host reader here,
 //! the stream and the staged device pipeline all use it.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -97,11 +97,12 @@ impl BlockReader {
     }
 }
 
-/// The file opened with `O_DIRECT`, or `None` where the filesystem does not support it.
+/// The file opened again with `O_DIRECT` (the file opened, whatever its path names now), or
+/// `None` where the filesystem does not support it or there is no `/proc` to reopen it by.
 fn open_direct(file: &LocalFile) -> Result<Option<File>> {
-    match OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(file.path()) {
+    match file.reopen(libc::O_DIRECT) {
         Ok(file) => Ok(Some(file)),
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(None),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOENT)) => Ok(None),
         Err(e) => Err(Error::io(file.path(), "open (O_DIRECT)", e)),
     }
 }

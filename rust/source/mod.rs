@@ -19,6 +19,7 @@ pub mod direct;
 pub mod mmap;
 
 use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -321,6 +322,14 @@ impl LocalFile {
     /// The open file, for the readers that need its descriptor (mappings, cuFile).
     pub fn file(&self) -> &File {
         &self.file
+    }
+
+    /// The file opened again, with `flags` (`O_DIRECT`) added: through `/proc/self/fd`, so that
+    /// it is the file this one opened even where its path now names another file, or none.
+    /// Errors are the caller's to name the file by its path.
+    pub fn reopen(&self, flags: libc::c_int) -> std::io::Result<File> {
+        let fd = format!("/proc/self/fd/{}", self.file.as_raw_fd());
+        OpenOptions::new().read(true).custom_flags(flags).open(fd)
     }
 
     /// Whether (nearly) all of the file is in the page cache, so reading it through the

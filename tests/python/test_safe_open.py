@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 
 import pytest
@@ -268,3 +269,126 @@ def test_get_tensor_after_close_raises(tmp_path):
     with pytest.raises(RuntimeError, match="closed"):
         handle.get_tensor("w")
     assert torch.equal(kept, torch.ones(3))
+
+
+# ------------------------------------------------------------------ the handle keeps its files
+
+READERS = ["auto", "direct", "mmap"]
+
+
+def _original_and_replacement(tmp_path):
+    """A file holding `a`, `b`, and a replacement beside it holding another `a` (another shape)
+    and `c`: what a download that replaces the file (os.replace) leaves behind."""
+    original = {"a": U.random_tensor(torch.float32, (6, 5), 1), "b": U.random_tensor(torch.bfloat16, (4, 3), 2)}
+    replacement = {"a": U.random_tensor(torch.float32, (3, 7), 3), "c": U.random_tensor(torch.int64, (9,), 4)}
+    path = U.write_checkpoint(tmp_path / "model.safetensors", original)
+    new = U.write_checkpoint(tmp_path / "model.safetensors.incoming", replacement)
+    return path, new, original
+
+
+def _check_reads_original(f, original):
+    """Every way of asking a handle answers from the file it opened, bit-exact."""
+    assert f.keys() == sorted(original)
+    assert f.get_slice("a").get_shape() == list(original["a"].shape)
+    U.assert_same_tensor(f.get_slice("a")[0:2], original["a"][0:2], "a[0:2]")
+    U.assert_same_tensor(f.get_slice("b")[1:3, 1:], original["b"][1:3, 1:], "b[1:3, 1:]")
+    U.assert_same_dict(dict(f.tensors()), original)
+    U.assert_same_tensor(f.get_tensor("a"), original["a"], "a")
+    U.assert_same_tensor(f.get_tensor("b"), original["b"], "b")
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_replaced_file_keeps_answering_from_the_opened_file(tmp_path, reader):
+    """os.replace over an open file (what the Hub client does) changes nothing for the handle,
+    as with safetensors, which keeps reading what it opened."""
+    path, new, original = _original_and_replacement(tmp_path)
+    with safe_open(path, reader=reader) as f, st_safe_open(str(path), "pt") as ref:
+        os.replace(new, path)
+        _check_reads_original(f, original)
+        U.assert_same_tensor(ref.get_slice("a")[0:2], original["a"][0:2], "safetensors a[0:2]")
+    with safe_open(path, reader=reader) as f:
+        assert f.keys() == ["a", "c"], "a new handle opens the new file"
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_replaced_file_among_several_keeps_its_tensors(tmp_path, reader):
+    path, new, original = _original_and_replacement(tmp_path)
+    other = U.write_checkpoint(tmp_path / "other.safetensors", {"z": torch.arange(6.0)})
+    with safe_open([other, path], reader=reader) as f:
+        os.replace(new, path)
+        assert f.keys() == ["a", "b", "z"]
+        U.assert_same_tensor(f.get_slice("a")[2:4], original["a"][2:4], "a[2:4]")
+        U.assert_same_tensor(f.get_tensor("b"), original["b"], "b")
+        U.assert_same_dict(dict(f.tensors()), {**original, "z": torch.arange(6.0)})
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_deleted_file_still_reads(tmp_path, reader):
+    path, _, original = _original_and_replacement(tmp_path)
+    with safe_open(path, reader=reader) as f:
+        os.unlink(path)
+        _check_reads_original(f, original)
+
+
+def _truncate(path, replacement):
+    os.truncate(path, os.path.getsize(path) - 16)
+
+
+def _rewrite(path, replacement):
+    """Another checkpoint written over the same inode."""
+    data = Path(replacement).read_bytes()
+    with open(path, "r+b") as out:
+        out.write(data)
+        out.truncate()
+
+
+@pytest.mark.parametrize("change", [_truncate, _rewrite], ids=["truncated", "rewritten"])
+@pytest.mark.parametrize("reader", READERS)
+def test_file_changed_in_place_is_an_error_naming_it(tmp_path, reader, change):
+    """Bytes written into the opened file itself (same inode) would mix two versions: every read
+    after the change fails with an error in one line naming the file."""
+    path, new, _ = _original_and_replacement(tmp_path)
+    with safe_open(path, reader=reader) as f:
+        inode, size = os.stat(path).st_ino, os.stat(path).st_size
+        change(path, new)
+        assert os.stat(path).st_ino == inode and os.stat(path).st_size != size
+        reads = {
+            "get_slice": lambda: f.get_slice("a")[0:2],
+            "get_tensor": lambda: f.get_tensor("b"),
+            "tensors": lambda: dict(f.tensors()),
+        }
+        for what, read in reads.items():
+            with pytest.raises(RuntimeError) as info:
+                read()
+            message = str(info.value)
+            assert str(path) in message and "/proc/" not in message, (what, message)
+            assert "changed" in message or "ended" in message, (what, message)
+            assert "\n" not in message.strip(), (what, message)
+        assert f.get_slice("a").get_shape() == [6, 5], "what the handle knows stays as opened"
+
+
+def _fds_on(path) -> int:
+    """How many of this process's file descriptors are open on `path`."""
+    fds = Path("/proc/self/fd")
+    return sum(1 for fd in fds.iterdir() if os.path.realpath(fd) == os.path.realpath(path))
+
+
+def test_handle_holds_its_file_until_closed_or_dropped(tmp_path):
+    path, _, _ = _original_and_replacement(tmp_path)
+    f = safe_open(path)
+    assert _fds_on(path) >= 1, "the handle holds the file it opened"
+    f.close()
+    assert _fds_on(path) == 0, "close() lets go of it"
+    f = safe_open(path)
+    del f
+    gc.collect()
+    assert _fds_on(path) == 0, "so does dropping the handle"
+    f = safe_open(path)
+    kept = f.get_tensor("a")
+    del f
+    assert _fds_on(path) == 0, "at once, with no cycle for the garbage collector to find"
+    assert kept.shape == (6, 5)
+    with safe_open(path) as f:
+        part = f.get_slice("a")[0:2]
+    assert _fds_on(path) == 0, "and leaving the with block"
+    assert part.shape == (2, 5)
