@@ -99,7 +99,7 @@ fn rows_are_found_by_name_in_the_file_asked_for() {
     for (path, name) in [(&first, "other"), (&second, "embed"), (&first, "nothing")] {
         let err = files.plan_rows(path, name, 0, 1).err().unwrap();
         assert!(
-            matches!(&err, Error::MissingTensors { names, files } if names == &[name] && files == std::slice::from_ref(path))
+            matches!(&err, Error::NoSuchTensor { name: n, files } if n == name && files == std::slice::from_ref(path))
         );
     }
     let err = files.plan_rows(&first, "embed", 299, 301).err().unwrap().to_string();

@@ -99,7 +99,7 @@ impl OpenFiles {
     /// bytes, found by name (a lookup, whatever the number of tensors).
     pub fn plan_rows(&self, path: &Path, name: &str, start: u64, stop: u64) -> Result<Planned> {
         let file = self.file(path)?;
-        let missing = || Error::MissingTensors { names: vec![name.to_owned()], files: vec![path.to_owned()] };
+        let missing = || Error::NoSuchTensor { name: name.to_owned(), files: vec![path.to_owned()] };
         let t = self.by_name.get(name).map(|&i| &self.tensors[i]).filter(|t| t.file == file).ok_or_else(missing)?;
         let rows = t.rows(start, stop).map_err(|why| Error::InvalidArgument(format!("{}: {why}", path.display())))?;
         Ok(Planned { sources: vec![Arc::clone(&self.sources[file])], tensors: vec![Placement { file: 0, ..rows }] })
