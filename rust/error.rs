@@ -49,6 +49,9 @@ pub enum Error {
     /// Two files hold a tensor of the same name.
     #[error("tensor '{name}' is in both {} and {}", .first.display(), .second.display())]
     DuplicateTensor { name: String, first: PathBuf, second: PathBuf },
+    /// A checkpoint file's name is not UTF-8, so it cannot be reported to the caller.
+    #[error("{}: the path is not UTF-8, and fastsafetensors_rs takes UTF-8 paths only: rename the file, or link to it under a UTF-8 name", escaped(.path))]
+    NotUtf8 { path: PathBuf },
     /// A file was given twice to one load.
     #[error("{}: given twice: pass each file once", .path.display())]
     FileGivenTwice { path: PathBuf },
@@ -95,6 +98,16 @@ fn missing_message(names: &[String], files: &[PathBuf]) -> String {
     let where_ = files_list(files);
     let (count, noun) = (names.len(), if names.len() == 1 { "tensor" } else { "tensors" });
     format!("tensor_filter names {count} {noun} that are in none of the files ({where_}): {}", listed.join(", "))
+}
+
+/// `path` with each byte that is not UTF-8 written `\xNN`, as Python's "backslashreplace" does.
+fn escaped(path: &std::path::Path) -> String {
+    let mut out = String::new();
+    for chunk in path.as_os_str().as_encoded_bytes().utf8_chunks() {
+        out.push_str(chunk.valid());
+        chunk.invalid().iter().for_each(|b| out.push_str(&format!("\\x{b:02x}")));
+    }
+    out
 }
 
 /// "a, b, c and 2 more": the files an error is about.

@@ -89,11 +89,17 @@ impl Checkpoint {
         let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, "read directory", e))?;
         for entry in entries {
             let entry = entry.map_err(|e| Error::io(dir, "read directory", e))?;
-            let name = entry.file_name().to_string_lossy().into_owned();
+            let raw = entry.file_name();
+            let name = raw.to_string_lossy().into_owned();
             if name.starts_with('.') {
                 continue;
             }
             let path = entry.path();
+            // Paths cross to Python and C++ as UTF-8: a shard named otherwise could be loaded but
+            // not reported, so it is refused, by name.
+            if raw.to_str().is_none() && (name.ends_with(FILE_SUFFIX) || name.ends_with(INDEX_SUFFIX)) {
+                return Err(Error::NotUtf8 { path });
+            }
             // A dangling link stays in, so that the load reports it instead of skipping it.
             if std::fs::metadata(&path).is_ok_and(|m| m.is_dir()) {
                 continue;
@@ -331,6 +337,21 @@ mod tests {
         assert_eq!(c.files, [PathBuf::from("/no/such/model.safetensors")]);
         assert_eq!(c.index, None);
         assert!(c.check_files().is_ok());
+    }
+
+    #[test]
+    fn a_shard_whose_name_is_not_utf8_is_refused_by_name() {
+        use std::os::unix::ffi::OsStrExt;
+        let d = Scratch::new("not-utf8");
+        d.file("a.safetensors", b"");
+        let name = std::ffi::OsStr::from_bytes(b"b\xff.safetensors");
+        std::fs::write(d.0.join(name), b"").unwrap();
+        let err = Checkpoint::resolve(&d.0).unwrap_err().to_string();
+        let shown = format!("{}/b\\xff.safetensors", d.0.display());
+        assert_eq!(
+            err,
+            format!("{shown}: the path is not UTF-8, and fastsafetensors_rs takes UTF-8 paths only: rename the file, or link to it under a UTF-8 name")
+        );
     }
 
     #[test]

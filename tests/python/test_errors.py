@@ -360,6 +360,23 @@ def test_the_cli_reports_a_path_that_is_not_utf8_as_the_loader_does_and_goes_on(
         assert [f["path"] for f in doc["files"]] == [str(good)] and doc["files"][0]["valid"]
 
 
+def test_a_directory_holding_a_shard_not_named_in_utf8_is_refused_alike_by_load_and_the_cli(tmp_path, capsys):
+    import os
+
+    from fastsafetensors_rs import cli
+
+    U.write_checkpoint(tmp_path / "a.safetensors", {"a": torch.ones(2)})
+    U.write_checkpoint(os.fsdecode(os.fsencode(tmp_path) + b"/b\xff.safetensors"), {"b": torch.ones(2)})
+    expected = (f"{tmp_path}/b\\xff.safetensors: the path is not UTF-8, and fastsafetensors_rs takes UTF-8 paths "
+                "only: rename the file, or link to it under a UTF-8 name")
+    with pytest.raises(RuntimeError) as info:
+        fastsafetensors_rs.load_file(tmp_path)
+    assert str(info.value) == expected
+    for command in ("inspect", "verify"):
+        assert cli.main([command, "--no-progress", str(tmp_path)]) == 2
+        assert expected in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- messages that name what is wrong
 
 
