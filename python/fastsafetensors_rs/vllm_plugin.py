@@ -40,6 +40,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set,
 import torch
 
 from ._ops import ops
+from .api import READERS
 from .weights import weights_iterator
 
 logger = logging.getLogger("fastsafetensors_rs")
@@ -48,8 +49,6 @@ __all__ = ["LOAD_FORMAT", "OPTIONS", "ENV_INSTALL_AS", "register", "make_loader_
 
 LOAD_FORMAT = "fastsafetensors_rs"
 ENV_INSTALL_AS = "FASTSAFETENSORS_INSTALL_AS_FASTSAFETENSORS"
-
-READERS = ("auto", "direct", "mmap")
 
 # The keys of `model_loader_extra_config` this loader takes (vLLM's own keys pass through).
 OPTIONS: Dict[str, str] = {
