@@ -2,9 +2,11 @@
 //!
 //! The modules follow the data, and every import points down this list:
 //!
-//! - [`error`]: the one error type (every variant names its file), and [`settings`]: the
-//!   environment variables the loader reads;
-//! - [`format`]: headers parsed and validated, the dtype table;
+//! - [`format`]: headers parsed and validated, the dtype table: the leaf, which imports nothing
+//!   of the crate (its `FormatError` says what is wrong with a header, and the caller adds the
+//!   file);
+//! - [`error`]: the one error type, every variant naming its file (it wraps `FormatError`), and
+//!   [`settings`]: the environment variables the loader reads;
 //! - [`plan`]: which tensors a load wants ([`plan::select`]), where each lands and which byte
 //!   ranges to read (pure computation);
 //! - [`source`]: where the bytes come from, behind the [`source::Source`] seam: a local file
