@@ -1,6 +1,6 @@
 //! The FFI surface for the C++ torch extension: the only `#[cxx::bridge]` in the crate.
 //!
-//! Every exported function runs inside [`guard`], which turns a panic into an error: a
+//! Every exported function runs inside `guard`, which turns a panic into an error: a
 //! panic that unwound into C++ would abort the Python process.
 
 // cxx hands vectors across as `&Vec`, not slices.

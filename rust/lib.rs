@@ -2,7 +2,7 @@
 //!
 //! The modules follow the data, and every import points down this list:
 //!
-//! - [`format`]: headers parsed and validated, the dtype table: the leaf, which imports nothing
+//! - [`format`](mod@format): headers parsed and validated, the dtype table: the leaf, which imports nothing
 //!   of the crate (its `FormatError` says what is wrong with a header, and the caller adds the
 //!   file);
 //! - [`error`]: the one error type, every variant naming its file (it wraps `FormatError`), and
