@@ -60,7 +60,8 @@ pub struct Planned {
 /// Opens `paths`, validates every header and the names across files. Nothing is read until
 /// every header is known to be good.
 pub fn plan_files(paths: &[PathBuf]) -> Result<Planned> {
-    if let Some(twice) = paths.iter().enumerate().find_map(|(i, p)| paths[..i].contains(p).then_some(p)) {
+    let mut seen = HashSet::with_capacity(paths.len());
+    if let Some(twice) = paths.iter().find(|p| !seen.insert(*p)) {
         return Err(Error::FileGivenTwice { path: twice.clone() });
     }
     let sources =
@@ -130,28 +131,15 @@ impl Planned {
     /// Keeps only the tensors `selection` asks for, cut to their row ranges. An exact filter
     /// naming tensors that are in none of the files is an error listing them.
     pub fn select(mut self, selection: &Selection) -> Result<Planned> {
-        if !selection.rows.is_empty() {
-            let names: HashSet<&str> = self.tensors.iter().map(|t| t.name.as_str()).collect();
-            if let Some(r) = selection.rows.iter().find(|r| !names.contains(r.name.as_str())) {
-                return Err(Error::NoSuchTensor { name: r.name.clone(), files: self.paths() });
-            }
-        }
-        if let Some(filter) = &selection.filter {
-            let missing = filter.missing(self.tensors.iter().map(|t| t.name.as_str()));
-            if !missing.is_empty() {
-                let files = self.paths();
-                return Err(Error::MissingTensors { names: missing, files });
-            }
-            self.tensors.retain(|t| filter.matches(&t.name));
-        }
+        // Rows first, found by name among all the tensors: a row range of a tensor in no file
+        // names that tensor, and cut tensors keep their names for the filter below.
         if !selection.rows.is_empty() {
             let index: HashMap<&str, usize> =
                 self.tensors.iter().enumerate().map(|(i, t)| (t.name.as_str(), i)).collect();
             let mut cut = Vec::with_capacity(selection.rows.len());
             for r in &selection.rows {
                 let Some(&i) = index.get(r.name.as_str()) else {
-                    let files = self.paths();
-                    return Err(Error::MissingTensors { names: vec![r.name.clone()], files });
+                    return Err(Error::NoSuchTensor { name: r.name.clone(), files: self.paths() });
                 };
                 let t = &self.tensors[i];
                 let rows = t.rows(r.start, r.stop).map_err(|why| {
@@ -162,6 +150,13 @@ impl Planned {
             for (i, rows) in cut {
                 self.tensors[i] = rows;
             }
+        }
+        if let Some(filter) = &selection.filter {
+            let missing = filter.missing(self.tensors.iter().map(|t| t.name.as_str()));
+            if !missing.is_empty() {
+                return Err(Error::MissingTensors { names: missing, files: self.paths() });
+            }
+            self.tensors.retain(|t| filter.matches(&t.name));
         }
         Ok(self)
     }
