@@ -286,6 +286,32 @@ std::vector<std::string> selected(std::vector<std::string> files, std::optional<
   return from_rust(call_rust([&] { return rs::selected_names(paths, chosen, handle); }));
 }
 
+// A load shared by `world` ranks, as JSON (see rs::share_load): each byte read by one rank.
+std::string share_load(std::vector<std::string> files, std::optional<at::ScalarType> dtype,
+                       std::optional<std::vector<std::string>> tensor_filter, std::string mode, int64_t world,
+                       std::optional<std::string> max_memory, int64_t chunk, int64_t handle) {
+  const auto chosen = selection(tensor_filter, mode);
+  const auto paths = to_rust(files);
+  const auto cast = dtype_name(dtype), budget = max_memory.value_or("");
+  return std::string(call_rust([&] {
+    return rs::share_load(paths, chosen, cast, world, max_memory.has_value(), budget, chunk, handle);
+  }));
+}
+
+// Fills `out` (contiguous bytes on the CPU or a CUDA device) from `file` at `offset`; says how.
+std::string read_range(std::string file, int64_t offset, at::Tensor out, std::optional<std::string> reader,
+                       int64_t handle) {
+  TORCH_CHECK(out.scalar_type() == at::kByte && out.is_contiguous(), "invalid argument: out: contiguous uint8");
+  std::optional<ReadyEvent> ready;
+  if (out.is_cuda()) ready.emplace(out.device());
+  const auto address = reinterpret_cast<uint64_t>(out.data_ptr());
+  const int64_t ordinal = out.is_cuda() ? out.device().index() : -1;
+  const uint64_t event = ready ? ready->handle() : 0;
+  return std::string(call_rust([&] {
+    return rs::read_range(file, offset, address, out.numel(), ordinal, reader.value_or(""), handle, event);
+  }));
+}
+
 // A streaming load: `next()` returns the next group of tensors, in read order, as soon as its
 // bytes have arrived, while the reads of later groups go on in the background. Each tensor keeps
 // the buffer of its group alive; dropping the stream stops its reads. To the CPU, groups are
@@ -468,6 +494,9 @@ TORCH_LIBRARY(fastsafetensors, m) {
       " -> __torch__.torch.classes.fastsafetensors.TensorStream");
   m.def("selected(str[] files, str[]? tensor_filter=None, str tensor_name_match_mode=\"glob\", int handle=-1)"
         " -> str[]");
+  m.def("share_load(str[] files, ScalarType? dtype, str[]? tensor_filter, str tensor_name_match_mode, int world,"
+        " str? max_memory=None, int chunk=0, int handle=-1) -> str");
+  m.def("read_range(str file, int offset, Tensor(a!) out, str? reader=None, int handle=-1) -> str");
   m.def("keys(str file) -> str[]");
   m.def("check_device(str device) -> str");
   m.def("checkpoint(str path) -> (str[] files, str? index, str[] problems)");
@@ -486,6 +515,8 @@ TORCH_LIBRARY_IMPL(fastsafetensors, CompositeExplicitAutograd, m) {
   m.impl("load_rows", TORCH_FN(load_rows));
   m.impl("open_stream", TORCH_FN(open_stream));
   m.impl("selected", TORCH_FN(selected));
+  m.impl("share_load", TORCH_FN(share_load));
+  m.impl("read_range", TORCH_FN(read_range));
   m.impl("keys", TORCH_FN(keys));
   m.impl("check_device", TORCH_FN(check_device));
   m.impl("checkpoint", TORCH_FN(checkpoint));

@@ -17,13 +17,14 @@ use crate::error::{Error, Result};
 use crate::format::Dtype;
 use crate::load::checkpoint::{self, Checkpoint};
 use crate::load::device_stream::{Copier, DeviceStream};
+use crate::load::fanout;
 use crate::load::handle::{Handles, OpenFiles};
 use crate::load::stream::{self, Group, StreamOptions};
 use crate::load::{self, DeviceCopy, DeviceOptions, DeviceTarget, LoadOptions, Loaded, Planned};
 use crate::plan::select::{MatchMode, RowRange, Selection, TensorFilter};
 use crate::plan::target::{self, Output, Target};
 use crate::plan::{self, Placement};
-use crate::source::{budget, HostBuffer, LocalFile, ReadPath, ReaderKind};
+use crate::source::{budget, HostBuffer, LocalFile, ReadPath, ReaderKind, Source};
 
 #[cxx::bridge(namespace = "fastsafetensors::rs")]
 mod ffi {
@@ -257,6 +258,39 @@ mod ffi {
         fn tensor_count(self: &DeviceTensorStream) -> usize;
         fn byte_count(self: &DeviceTensorStream) -> u64;
 
+        /// The plan of a load of what `selection` picks from `paths` shared by `world` ranks
+        /// (each byte read by one rank, the rest exchanged), as JSON: `files`; `buffers`, each
+        /// an extent of a file (`file`, `start`, `len`) in a buffer of `size` bytes that the
+        /// ranks exchange in `chunks` (`[offset, piece]`: rank r reads piece r); `tensors`,
+        /// each a `TensorSpec` in one of the buffers. Chunks are about `chunk` bytes (0: the
+        /// default). For a bulk load, a buffer per file (or per selected range); `streamed`:
+        /// buffers of at most a quarter of `max_memory` ("" for the default), so that two in
+        /// flight and those handed out fit in it.
+        fn share_load(
+            paths: &Vec<String>,
+            selection: &TensorSelection,
+            dtype: &str,
+            world: i64,
+            streamed: bool,
+            max_memory: &str,
+            chunk: i64,
+            handle: i64,
+        ) -> Result<String>;
+        /// Reads `len` bytes of file `path` from `offset` to `address`: host memory, or memory
+        /// of CUDA device `ordinal` (>= 0; the copies ordered after event `ready`). Returns how
+        /// the bytes were read. With a handle, the file as it opened it.
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn read_range(
+            path: &str,
+            offset: i64,
+            address: u64,
+            len: u64,
+            ordinal: i64,
+            reader: &str,
+            handle: i64,
+            ready: u64,
+        ) -> Result<String>;
+
         /// Reads and validates one file's header without reading its data (with a handle: the
         /// header as it was opened).
         fn read_header(path: &str, handle: i64) -> Result<HeaderSpec>;
@@ -465,6 +499,98 @@ fn opened(handle: i64) -> Result<Option<Arc<OpenFiles>>> {
         return Ok(None);
     }
     HANDLES.get(handle).map(Some)
+}
+
+fn share_load(
+    paths: &Vec<String>,
+    selection: &TensorSelection,
+    dtype: &str,
+    world: i64,
+    streamed: bool,
+    max_memory: &str,
+    chunk: i64,
+    handle: i64,
+) -> Result<String> {
+    guard(|| {
+        let (Ok(world @ 1..), Ok(chunk)) = (usize::try_from(world), u64::try_from(chunk)) else {
+            return Err(Error::InvalidArgument(format!("share_load: world {world}, chunk {chunk}")));
+        };
+        let cast = target::cast_target(dtype)?;
+        let max_len = match streamed {
+            true => (budget::stream_budget(Some(max_memory).filter(|m| !m.is_empty()))? / 4).max(plan::IO_ALIGN),
+            false => u64::MAX,
+        };
+        let chunk = if chunk == 0 { fanout::DEFAULT_CHUNK } else { chunk }.min(max_len);
+        let planned = plan_selected(paths, selection, handle)?;
+        let shared = planned.share(world, max_len, chunk)?;
+        let mut buffers = vec![0; planned.tensors.len()];
+        for (k, s) in shared.iter().enumerate() {
+            buffers[s.extent.tensors.clone()].fill(k);
+        }
+        let outputs = target::outputs(&planned.tensors, &buffers, cast, |_| true);
+        let tensors: Vec<_> = planned
+            .tensors
+            .iter()
+            .zip(&outputs)
+            .zip(&buffers)
+            .map(|((t, &output), &k)| {
+                let spec = spec_at(t, t.name.clone(), k, shared[k].extent.offset_of(t), output);
+                serde_json::json!({
+                    "name": spec.name, "dtype": spec.dtype, "shape": spec.shape, "buffer": spec.buffer,
+                    "offset": spec.offset, "nbytes": spec.nbytes, "copy": spec.copy, "cast": spec.cast,
+                })
+            })
+            .collect();
+        let buffers: Vec<_> = shared
+            .iter()
+            .map(|s| {
+                let chunks: Vec<[u64; 2]> = s.chunks.iter().map(|c| [c.offset, c.piece]).collect();
+                let e = &s.extent;
+                serde_json::json!({"file": e.file, "start": e.start, "len": e.len, "size": s.size, "chunks": chunks})
+            })
+            .collect();
+        let files: Vec<String> = planned.paths().iter().map(|p| p.to_string_lossy().into_owned()).collect();
+        Ok(serde_json::json!({"files": files, "buffers": buffers, "tensors": tensors}).to_string())
+    })
+}
+
+/// # Safety
+/// `address` is the start of `len` bytes of memory (of the host, or of CUDA device `ordinal`)
+/// that nothing else reads or writes until this returns; `ready` is 0 or an event the caller
+/// keeps alive until then.
+#[allow(clippy::too_many_arguments)]
+unsafe fn read_range(
+    path: &str,
+    offset: i64,
+    address: u64,
+    len: u64,
+    ordinal: i64,
+    reader: &str,
+    handle: i64,
+    ready: u64,
+) -> Result<String> {
+    guard(|| {
+        let reader = reader_kind(reader)?;
+        let offset =
+            u64::try_from(offset).map_err(|_| Error::InvalidArgument(format!("read_range: offset {offset}")))?;
+        if len == 0 {
+            return Ok(ReadPath::NotRead.name().to_owned());
+        }
+        let src = match opened(handle)? {
+            Some(files) => Arc::clone(files.source(Path::new(path))?),
+            None => Arc::new(LocalFile::open(Path::new(path))?) as Arc<dyn Source>,
+        };
+        let how = if ordinal >= 0 {
+            // SAFETY: the caller's contract.
+            let ready = unsafe { ready_event(ready) };
+            fanout::read_to_cuda(&src, offset, len, address, ordinal as usize, ready, reader)?
+        } else {
+            // SAFETY: the caller's contract: `len` bytes at `address`, ours until we return.
+            let dst = unsafe { std::slice::from_raw_parts_mut(address as *mut u8, len as usize) };
+            fanout::read_to_host(&src, offset, dst, reader)?
+        };
+        Ok(how.name().to_owned())
+    })
 }
 
 fn parse_device(device: &str) -> Result<DeviceSpec> {

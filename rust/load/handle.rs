@@ -77,6 +77,11 @@ impl OpenFiles {
         })
     }
 
+    /// File `path` as it was opened.
+    pub fn source(&self, path: &Path) -> Result<&Arc<dyn Source>> {
+        Ok(&self.sources[self.file(path)?])
+    }
+
     /// The header of file `path` as it was when opened.
     pub fn header(&self, path: &Path) -> Result<&Header> {
         Ok(&self.headers[self.file(path)?])

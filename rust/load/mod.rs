@@ -12,6 +12,7 @@
 
 pub mod checkpoint;
 pub mod device_stream;
+pub mod fanout;
 pub mod handle;
 pub mod stream;
 

@@ -8,6 +8,7 @@
 //! ranges, merged where the gaps between them are small; a streaming load also caps each
 //! extent's size, so that it can be handed out while the next ones are read.
 
+pub mod fanout;
 pub mod select;
 pub mod target;
 
