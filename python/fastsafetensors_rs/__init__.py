@@ -14,6 +14,7 @@ from . import _fake, _logging
 from ._logging import enable_logging
 from ._ops import LIBRARY_PATH, ops
 from .api import load, load_file, release_staging_buffers, safe_open, stream
+from .distributed import node_group
 
 __version__ = "0.1.0"
 
@@ -34,10 +35,10 @@ _LAZY = {
 }
 
 # Submodules reachable as attributes (`fastsafetensors_rs.compat`), as when all were eager.
-_SUBMODULES = {"cli", "compat", "integrations", "loader", "parallel_loader", "progress", "transformers_patch",
+_SUBMODULES = {"cli", "compat", "distributed", "integrations", "loader", "parallel_loader", "progress", "transformers_patch",
                "vllm_plugin", "weights"}
 
-__all__ = ["LIBRARY_PATH", "enable_logging", "load", "load_file", "ops", "release_staging_buffers", "safe_open",
+__all__ = ["LIBRARY_PATH", "enable_logging", "load", "load_file", "node_group", "ops", "release_staging_buffers", "safe_open",
            "stream", "__version__", *_LAZY]
 
 # What importing the integrations did eagerly, kept eager: FASTSAFETENSORS_LOG is applied and

@@ -26,10 +26,11 @@ import logging
 import os
 import threading
 import weakref
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from . import distributed
 from ._dtypes import cast_dtype
 from ._logging import level_from_env
 from ._ops import ops
@@ -40,6 +41,7 @@ logger = logging.getLogger("fastsafetensors_rs")
 PathLike = Union[str, bytes, os.PathLike]
 Device = Union[str, int, torch.device]
 TensorFilter = Union[None, str, Iterable[str], Callable[[str], bool]]
+ProcessGroup = Any  # a torch.distributed ProcessGroup
 
 __all__ = ["load", "load_file", "release_staging_buffers", "safe_open", "stream"]
 
@@ -243,6 +245,7 @@ def load(
     *,
     tensor_filter: TensorFilter = None,
     tensor_name_match_mode: str = "glob",
+    process_group: Optional[ProcessGroup] = None,
 ) -> Dict[str, torch.Tensor]:
     """Loads every tensor (or the selected ones) of one or more files into one dict.
 
@@ -266,6 +269,10 @@ def load(
         tensor_filter, tensor_name_match_mode: which tensors to load (see the module
             documentation); only their bytes are read. On CUDA a filtered load reads them
             into host memory and copies them.
+        process_group: a torch.distributed group whose ranks all make this same call: each
+            gets every tensor, while each byte is read from storage by one rank and the rest
+            exchanged over the group (see `fastsafetensors_rs.distributed`; CUDA pieces go
+            through pinned staging, without GPUDirect Storage).
 
     The tensors own their memory: no handle needs closing, and a buffer is freed when the last
     tensor into it is gone. With the "auto" reader, files whose direct reads would not fit in
@@ -276,9 +283,19 @@ def load(
     paths = _paths(files)
     patterns, mode = _filter_args(tensor_filter, tensor_name_match_mode, paths)
     target, cast = _device_name(device), cast_dtype(dtype)
-    out = _load(paths, target, cast, reader, nogds, patterns, mode)
+    if _shared(process_group):
+        shared = distributed.SharedLoad(paths, target, cast, reader, patterns, mode, process_group, None, False)
+        with _gc_paused():
+            out = dict(pair for buffer in shared.buffers() for pair in buffer)
+    else:
+        out = _load(paths, target, cast, reader, nogds, patterns, mode)
     _nothing_selected(patterns, mode, len(out), paths)
     return out
+
+
+def _shared(process_group: Optional[ProcessGroup]) -> bool:
+    """Whether a load is shared: a group of more than one rank (a group of one reads alone)."""
+    return process_group is not None and distributed.group_size(process_group) > 1
 
 
 def _load(paths: List[str], device: str, dtype: Optional[torch.dtype], reader: Optional[str], nogds: Optional[bool],
@@ -301,11 +318,12 @@ def load_file(
     *,
     tensor_filter: TensorFilter = None,
     tensor_name_match_mode: str = "glob",
+    process_group: Optional[ProcessGroup] = None,
 ) -> Dict[str, torch.Tensor]:
     """Loads one file (or a checkpoint directory or index), like
     `safetensors.torch.load_file`. See `load` for the arguments."""
     return load([filename], device=device, dtype=dtype, reader=reader, nogds=nogds, tensor_filter=tensor_filter,
-                tensor_name_match_mode=tensor_name_match_mode)
+                tensor_name_match_mode=tensor_name_match_mode, process_group=process_group)
 
 
 def release_staging_buffers() -> int:
@@ -329,6 +347,7 @@ def stream(
     tensor_filter: TensorFilter = None,
     tensor_name_match_mode: str = "glob",
     max_memory: Union[None, int, str] = None,
+    process_group: Optional[ProcessGroup] = None,
 ) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yields `(name, tensor)` for the selected tensors of `files`, in the order their bytes are
     read (file by file, in file order), each as soon as the group of tensors it was read with
@@ -340,7 +359,9 @@ def stream(
             most half the available memory). Counts buffers being read, read and waiting, and
             handed out but still referenced by a tensor. A tensor larger than the budget still
             loads, alone.
-        files, device, dtype, reader, tensor_filter, tensor_name_match_mode: as in `load`.
+        files, device, dtype, reader, tensor_filter, tensor_name_match_mode, process_group:
+            as in `load`. With a group, every rank must iterate to the end (or close the
+            iterator at the same point): the exchange needs all of them.
 
     Memory a yielded tensor keeps alive: the buffer of the group it was read with, at most
     `max(group size, its own size)`, where a group is a quarter of `max_memory`, at most 32 MiB
@@ -357,6 +378,10 @@ def stream(
     paths = _paths(files)
     patterns, mode = _filter_args(tensor_filter, tensor_name_match_mode, paths)
     target, cast = _device_name(device), cast_dtype(dtype)
+    if _shared(process_group):
+        shared = distributed.SharedLoad(paths, target, cast, reader, patterns, mode, process_group, budget, True)
+        _nothing_selected(patterns, mode, shared.tensor_count, paths)
+        return distributed.SharedTensors(shared)
     handle = ops.open_stream(paths, target, cast, reader, patterns, mode, budget)
     _nothing_selected(patterns, mode, handle.tensor_count(), paths)
     return TensorIterator(handle)
@@ -558,12 +583,17 @@ class safe_open:
         self._check(name)
         return TensorSlice(self, name)
 
-    def tensors(self) -> Iterator[Tuple[str, torch.Tensor]]:
+    def tensors(self, process_group: Optional[ProcessGroup] = None) -> Iterator[Tuple[str, torch.Tensor]]:
         """Every selected tensor as `(name, tensor)`, in read order, each as soon as its bytes
         have arrived while later reads go on (see `stream`, which this is, for the memory a
-        tensor keeps alive). Independent of `get_tensor`: each call reads the files again."""
+        tensor keeps alive, and for `process_group`). Independent of `get_tensor`: each call
+        reads the files again."""
         self._check_open()
         check_settings()  # as every load does
+        if _shared(process_group):
+            return distributed.SharedTensors(distributed.SharedLoad(
+                self._paths, self._device, None, self._reader, self._patterns, self._mode, process_group,
+                self._max_memory, True, self._handle))
         return TensorIterator(ops.open_stream(self._paths, self._device, None, self._reader, self._patterns,
                                               self._mode, self._max_memory, self._handle))
 
