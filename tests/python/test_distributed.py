@@ -1,0 +1,388 @@
+"""Loads shared by the ranks of a torch.distributed group (`process_group=`), in real
+multi-process runs: 1 to 4 ranks on CPU with gloo (file:// rendezvous, loopback only).
+
+This file is also the worker: pytest starts one `python test_distributed.py ...` per rank;
+each runs the scenarios through the public API and saves what it got, and the tests compare
+every rank's tensors, bit for bit, with those safetensors loads, and sum the bytes the ranks
+read from storage (`read_bytes` of /proc/self/io, after evicting the files).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import fst_testutils as U  # noqa: E402
+
+WORKER_TIMEOUT_S = 180
+
+# Uneven files: one of 8 MiB, one of about 1 MiB, one of a few KiB, and a single-tensor one.
+FILES = ["big.safetensors", "mid.safetensors", "small.safetensors", "one.safetensors"]
+
+
+def checkpoint_tensors() -> list[dict[str, torch.Tensor]]:
+    F, R = U.finite_tensor, U.random_tensor
+    return [
+        {f"layers.{i}.w": F(torch.bfloat16, (1024, 1024 + 7 * i), i) for i in range(4)}
+        | {"layers.0.ids": R(torch.int64, (1001,), 40), "layers.0.mask": R(torch.bool, (3, 5), 41)},
+        {f"layers.{i}.norm": F(torch.float32, (4096 * 16 + i,), 10 + i) for i in range(4)}
+        | {"q.f8": R(torch.float8_e4m3fn, (9, 7), 20), "z.empty": F(torch.float32, (0, 3), 21)},
+        {"s.f64": F(torch.float64, (), 30), "f4": R(torch.float4_e2m1fn_x2, (4, 4), 31),
+         "c64": F(torch.complex64, (3, 2), 32), "odd.f16": F(torch.float16, (3,), 33)},
+        {"lm_head": F(torch.float16, (513, 1000), 50)},
+    ]
+
+
+def build(d: Path) -> None:
+    for name, tensors in zip(FILES, checkpoint_tensors()):
+        U.write_checkpoint(d / name, tensors)
+    # One rank's own copy, later cut short (the read-failure scenario).
+    for r in range(4):
+        (d / f"rank{r}").mkdir(exist_ok=True)
+        U.write_checkpoint(d / f"rank{r}" / "model.safetensors", checkpoint_tensors()[1])
+
+
+def read_bytes() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    raise AssertionError("no read_bytes in /proc/self/io")
+
+
+class Worker:
+    def __init__(self, d: Path, rank: int, world: int):
+        import torch.distributed as dist
+
+        self.d, self.rank, self.world, self.dist = d, rank, world, dist
+        self.files = [str(d / f) for f in FILES]
+        self.group = dist.group.WORLD
+
+    def _cold(self, files) -> None:
+        """Every file evicted from the page cache, by rank 0, before every rank goes on."""
+        if self.rank == 0:
+            for f in files:
+                U.make_cold(f)
+        self.dist.barrier()
+
+    def bulk(self) -> dict:
+        import fastsafetensors_rs as fst
+
+        self._cold(self.files)
+        before = read_bytes()
+        out = fst.load(self.files, process_group=self.group, reader="direct")
+        read = read_bytes() - before
+        one = fst.load_file(self.files[3], process_group=self.group)  # fewer files than ranks
+        return {"tensors": out, "read": read, "one": one}
+
+    def filtered(self) -> dict:
+        import fastsafetensors_rs as fst
+
+        self._cold(self.files)
+        before = read_bytes()
+        out = fst.load(self.files, process_group=self.group, reader="direct", dtype=torch.float32,
+                       tensor_filter=["layers.1.*", "lm_head"])
+        return {"tensors": out, "read": read_bytes() - before}
+
+    def streamed(self) -> dict:
+        import fastsafetensors_rs as fst
+
+        it = fst.stream(self.files, process_group=self.group, max_memory="1M", dtype="bfloat16")
+        names, got = [], {}
+        for name, t in it:
+            names.append(name)
+            got[name] = t.clone()
+        with fst.safe_open(self.files[:2], tensor_filter="layers.*") as f:
+            handle = dict(f.tensors(process_group=self.group))
+        return {"tensors": got, "order": names, "counts": (it.tensor_count, it.byte_count), "safe_open": handle}
+
+    def mismatch(self) -> dict:
+        import fastsafetensors_rs as fst
+
+        out = {}
+        for key, kwargs in [("tensor_filter", {"tensor_filter": "layers.*" if self.rank else "lm_head"}),
+                            ("dtype", {"dtype": torch.float16 if self.rank == self.world - 1 else None}),
+                            ("files", {"files": self.files[:1 + (self.rank == 0)]})]:
+            args = {"files": self.files, **kwargs}
+            try:
+                fst.load(args.pop("files"), process_group=self.group, **args)
+                out[key] = None
+            except ValueError as e:
+                out[key] = str(e)
+        return out
+
+    def plan_failure(self) -> dict:
+        """The last rank's copy of the checkpoint is cut short before the load: its header no
+        longer matches its length. Each rank passes the same relative path, in its own directory."""
+        import fastsafetensors_rs as fst
+
+        mine = self.d / f"rank{self.rank}"
+        victim = mine / "model.safetensors"
+        saved = victim.read_bytes()
+        if self.rank == self.world - 1:
+            victim.write_bytes(saved[:-100])
+        cwd = os.getcwd()
+        os.chdir(mine)
+        try:
+            fst.load("model.safetensors", process_group=self.group)
+            return {"raised": None}
+        except RuntimeError as e:
+            return {"raised": str(e)}
+        finally:
+            os.chdir(cwd)
+            victim.write_bytes(saved)
+
+    def read_failure(self) -> dict:
+        """The last rank's copy is cut short after the stream planned its reads."""
+        import fastsafetensors_rs as fst
+
+        mine = self.d / f"rank{self.rank}"
+        victim = mine / "model.safetensors"
+        saved = victim.read_bytes()
+        cwd = os.getcwd()
+        os.chdir(mine)
+        try:
+            it = fst.stream("model.safetensors", process_group=self.group, reader="direct")
+            if self.rank == self.world - 1:
+                with open(victim, "r+b") as f:
+                    f.truncate(len(saved) // 2)
+            self.dist.barrier()
+            got = []
+            try:
+                for name, _ in it:
+                    got.append(name)
+                result = {"raised": None, "got": got}
+            except RuntimeError as e:
+                result = {"raised": str(e), "got": got}
+        finally:
+            os.chdir(cwd)
+            victim.write_bytes(saved)
+        # The group still works: every rank stopped at the same point.
+        t = torch.tensor([self.rank])
+        self.dist.all_reduce(t)
+        result["after"] = int(t)
+        return result
+
+    def nodes(self) -> dict:
+        """Two simulated nodes of two ranks each (torchrun's GROUP_RANK): with node groups each
+        node reads every byte once; with the world group, the job does."""
+        import fastsafetensors_rs as fst
+
+        group = fst.node_group()
+        members = sorted(self.dist.get_process_group_ranks(group))
+        results = {"members": members}
+        for name, g in [("node", group), ("world", self.group)]:
+            self._cold(self.files)
+            before = read_bytes()
+            out = fst.load(self.files, process_group=g, reader="direct")
+            results[name] = {"read": read_bytes() - before, "tensors": out}
+        results["again"] = fst.node_group() is group
+        return results
+
+
+def owned(value):
+    """`value` with every tensor copied out of the buffer it is a view of (torch.save refuses
+    views of one buffer as different types)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: owned(v) for k, v in value.items()}
+    return value
+
+
+SCENARIOS = ["bulk", "filtered", "streamed", "mismatch", "plan_failure", "read_failure"]
+
+
+def worker_main(mode: str, d: str, rank: int, world: int, init_file: str) -> int:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    w = Worker(Path(d), rank, world)
+    results: dict = {}
+    status = 0
+    try:
+        for name in SCENARIOS if mode == "all" else [mode]:
+            results[name] = owned(getattr(w, name)())
+            dist.barrier()
+    except Exception:
+        results["error"] = traceback.format_exc()
+        status = 1
+    torch.save(results, Path(d) / f"{mode}.w{world}.rank{rank}.pt")
+    if status == 0:
+        dist.destroy_process_group()
+    return status
+
+
+def run_ranks(d: Path, mode: str, world: int, env_of=lambda rank: {}) -> list[dict]:
+    """Runs `mode` on `world` ranks; returns each rank's results."""
+    init_file = d / f"init.{mode}.w{world}.{time.monotonic_ns()}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, mode, str(d), str(r), str(world), str(init_file)],
+            env=U.subprocess_env({"GLOO_SOCKET_IFNAME": "lo", **env_of(r)}),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for r in range(world)
+    ]
+    deadline = time.monotonic() + WORKER_TIMEOUT_S
+    outputs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out = p.communicate()[0] + "\n[timed out: a rank was left waiting in a collective]"
+        outputs.append(out)
+    results = []
+    for r, p in enumerate(procs):
+        path = d / f"{mode}.w{world}.rank{r}.pt"
+        got = torch.load(path, weights_only=False) if path.exists() else {}
+        assert p.returncode == 0 and "error" not in got, (
+            f"rank {r} of {world} failed (exit {p.returncode}):\n{got.get('error', '')}\n{outputs[r][-4000:]}"
+        )
+        results.append(got)
+    return results
+
+
+if __name__ == "__main__":
+    mode_, d_, rank_, world_, init_ = sys.argv[1:6]
+    sys.exit(worker_main(mode_, d_, int(rank_), int(world_), init_))
+
+
+# ================================================================ the tests
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("distributed")
+    build(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def ref(ckpt) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in FILES:  # copied out of safetensors' mappings, which would keep the files resident
+        out.update({k: v.clone() for k, v in load_file(ckpt / f).items()})
+    gc.collect()
+    return out
+
+
+def file_bytes(ckpt, names=FILES) -> int:
+    return sum((ckpt / f).stat().st_size for f in names)
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda n: f"{n}ranks")
+def world(request, ckpt):
+    """Every scenario on 1, 2, 3 and 4 ranks: (world size, [results of each rank])."""
+    return request.param, run_ranks(ckpt, "all", request.param)
+
+
+def test_every_rank_gets_every_tensor_bit_exact(world, ref):
+    n, ranks = world
+    for r in ranks:
+        U.assert_same_dict(r["bulk"]["tensors"], ref)
+        U.assert_same_dict(r["bulk"]["one"], {"lm_head": ref["lm_head"]})
+
+
+def test_each_byte_is_read_by_one_rank(world, ckpt):
+    n, ranks = world
+    if not U.supports_o_direct(ckpt):
+        pytest.skip(f"{ckpt}: no O_DIRECT, so read_bytes would count readahead")
+    total = file_bytes(ckpt)
+    read = [r["bulk"]["read"] for r in ranks]
+    assert total * 0.95 <= sum(read) <= total * 1.05, (read, total)
+    # Balanced: every rank reads its share, whatever the files' sizes.
+    for b in read:
+        assert abs(b - total / n) <= 0.05 * total / n + 64 * 4096, (read, total)
+
+
+def test_a_filter_reads_only_the_selected_tensors_once(world, ckpt, ref):
+    n, ranks = world
+    names = ["layers.1.w", "layers.1.norm", "lm_head"]
+    for r in ranks:
+        assert sorted(r["filtered"]["tensors"]) == sorted(names)
+        for name in names:
+            t = r["filtered"]["tensors"][name]
+            assert t.dtype == torch.float32 and torch.equal(t, ref[name].float()), name
+    if U.supports_o_direct(ckpt):
+        selected = sum(ref[k].numel() * ref[k].element_size() for k in names)
+        assert sum(r["filtered"]["read"] for r in ranks) <= selected * 1.05 + 4 * 4096 * n
+
+
+def test_streams_hand_out_every_tensor_in_read_order(world, ref, ckpt):
+    n, ranks = world
+    first = ranks[0]["streamed"]
+    assert first["counts"][0] == len(ref)
+    for r in ranks:
+        s = r["streamed"]
+        assert s["order"] == first["order"] and sorted(s["order"]) == sorted(ref)
+        for name, t in s["tensors"].items():
+            want = ref[name].to(torch.bfloat16) if ref[name].dtype in (torch.float16, torch.float32, torch.float64) \
+                else ref[name]
+            U.assert_same_tensor(t, want, name)
+        layers = {k: v for k, v in ref.items() if k.startswith("layers.")}
+        U.assert_same_dict(s["safe_open"], layers)
+
+
+def test_ranks_asking_for_different_loads_are_refused_naming_the_difference(world):
+    n, ranks = world
+    for key in ["tensor_filter", "dtype", "files"]:
+        messages = [r["mismatch"][key] for r in ranks]
+        if n == 1:
+            assert messages == [None]
+            continue
+        for m in messages:
+            assert m is not None and f"the ranks asked for different loads: {key} is" in m, messages
+
+
+def test_a_rank_that_cannot_plan_makes_every_rank_raise_naming_it(world):
+    n, ranks = world
+    for r in ranks:
+        message = r["plan_failure"]["raised"]
+        assert message is not None and "model.safetensors" in message
+        if n > 1:
+            assert f"on rank {n - 1} of the {n} ranks" in message, message
+
+
+def test_a_rank_whose_read_fails_makes_every_rank_raise_with_nothing_handed_out(world):
+    n, ranks = world
+    if n == 1:
+        pytest.skip("a group of one is an ordinary stream, which reads ahead as soon as it is opened")
+    for r in ranks:
+        result = r["read_failure"]
+        assert result["raised"] is not None and "model.safetensors" in result["raised"], result
+        if n > 1:
+            assert f"read by rank {n - 1} of the {n} ranks" in result["raised"], result
+        assert result["got"] == [], "no tensor of an unfilled buffer"
+        assert result["after"] == sum(range(n))
+
+
+def test_node_groups_read_once_per_node_and_the_world_once_per_job(ckpt, ref):
+    if not U.supports_o_direct(ckpt):
+        pytest.skip(f"{ckpt}: no O_DIRECT, so read_bytes would count readahead")
+    # Two nodes of two ranks, as torchrun numbers them: GROUP_RANK is the node's rank.
+    ranks = run_ranks(ckpt, "nodes", 4, env_of=lambda r: {"GROUP_RANK": str(r // 2), "LOCAL_WORLD_SIZE": "2"})
+    total = file_bytes(ckpt)
+    assert [r["nodes"]["members"] for r in ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    for node in (ranks[:2], ranks[2:]):
+        assert total * 0.95 <= sum(r["nodes"]["node"]["read"] for r in node) <= total * 1.05
+    assert total * 0.95 <= sum(r["nodes"]["world"]["read"] for r in ranks) <= total * 1.05
+    for r in ranks:
+        assert r["nodes"]["again"]
+        U.assert_same_dict(r["nodes"]["node"]["tensors"], ref)
+        U.assert_same_dict(r["nodes"]["world"]["tensors"], ref)
