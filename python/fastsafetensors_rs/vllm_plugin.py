@@ -15,8 +15,11 @@ subfolders, allow-pattern overrides, the shard filters of `--mm-encoder-only`, o
 `is_unused_checkpoint_weight` and of expert parallelism, the strict weight check) with the
 weight iterator replaced by `fastsafetensors_rs.weights_iterator`, which streams the shards
 to the target device: tensors are handed to the model as their bytes arrive while the next
-ones are read, within `max_memory`. With expert parallelism, only this rank's experts are
-read (the others are left out before any I/O). Options, all optional, in
+ones are read, within `max_memory`. With tensor parallelism, the ranks of the TP group read
+the checkpoint together: each byte is read by one of them and the rest exchanged over the
+group (`share`; see `fastsafetensors_rs.distributed`), so a node reads it once, not once per
+GPU. With expert parallelism, only this rank's experts are read (the others are left out
+before any I/O; such ranks do not share reads). Options, all optional, in
 `model_loader_extra_config` (see `OPTIONS`).
 
 With `FASTSAFETENSORS_INSTALL_AS_FASTSAFETENSORS=1` in the environment, `register()` also
@@ -57,7 +60,10 @@ OPTIONS: Dict[str, str] = {
     "device": "where tensors are loaded (default: vLLM's load device, else the worker's GPU, else cpu)",
     "prefetch": "CUDA: load file by file in bulk, this many files ahead in a background thread (default 0: stream)",
     "max_memory": "the memory the stream's buffers may hold, e.g. '1G' (default: $FASTSAFETENSORS_MAX_MEMORY, else 1 GiB)",
+    "share": "the ranks that read the checkpoint together, each byte once: 'tp' (default: the tensor-parallel "
+             "group), 'world' (every rank of the engine), 'none' (each rank reads everything)",
 }
+SHARE = ("tp", "world", "none")
 
 _registered: Optional[type] = None
 
@@ -81,6 +87,8 @@ def parse_options(extra: Dict[str, Any]) -> Dict[str, Any]:
     prefetch = opts.get("prefetch", 0)
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise bad("prefetch", "an integer >= 0")
+    if opts.get("share") is not None and opts["share"] not in SHARE:
+        raise bad("share", " or ".join(repr(s) for s in SHARE))
     max_memory = opts.get("max_memory")
     if max_memory is not None and (isinstance(max_memory, bool) or not isinstance(max_memory, (int, str))):
         raise bad("max_memory", "a size such as '1G' or a number of bytes")
@@ -95,6 +103,22 @@ def _default_device(load_config: Any) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _sharing_group(share: str, device: torch.device) -> Any:
+    """The process group whose ranks read the checkpoint together (None: this rank reads it
+    all): vLLM's tensor-parallel group, or its world group, where it has more than one rank;
+    its gloo group to load to the CPU, its device group (NCCL) to a GPU."""
+    if share == "none":
+        return None
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    coordinator = parallel_state.get_tp_group() if share == "tp" else parallel_state.get_world_group()
+    if coordinator.world_size == 1:
+        return None
+    return coordinator.device_group if device.type == "cuda" else coordinator.cpu_group
 
 
 def _show_progress(requested: bool) -> bool:
@@ -198,10 +222,14 @@ def make_loader_class(default_loader: type, weight_utils: Any) -> type:
             opts = self.fastsafetensors_options
             # Other ranks' experts are not read at all: the selection is made from the headers.
             keep = None if skip is None else functools.partial(_is_kept, skip)
+            device = torch.device(opts.get("device") or _default_device(self.load_config))
+            # Ranks that select different tensors (their own experts) cannot share reads.
+            group = _sharing_group(opts.get("share") or "tp", device) if skip is None else None
             weights: Iterable[Tuple[str, torch.Tensor]] = weights_iterator(
                 sorted(files),
                 _show_progress(bool(getattr(self.load_config, "use_tqdm_on_load", False))),
-                device=opts.get("device") or _default_device(self.load_config),
+                device=device,
+                process_group=group,
                 reader=opts.get("reader"),
                 nogds=opts.get("nogds"),
                 prefetch=opts.get("prefetch", 0),

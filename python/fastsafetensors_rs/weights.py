@@ -60,6 +60,7 @@ def weights_iterator(
     tensor_filter: api.TensorFilter = None,
     tensor_name_match_mode: str = "glob",
     max_memory: Union[None, int, str] = None,
+    process_group: Optional[api.ProcessGroup] = None,
 ) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yields `(name, tensor)` for every tensor (or the selected ones) of `files`, file by file.
 
@@ -80,6 +81,8 @@ def weights_iterator(
             file, each in one bulk load (GPUDirect Storage where available, else staged),
             `prefetch` files ahead in a background thread, at the cost of that many files of
             device memory.
+        process_group: the ranks that read the files together, each byte once, exchanging the
+            rest (see `fastsafetensors_rs.distributed`); every rank of it must iterate alike.
 
     Malformed arguments raise here, at the call; a file that cannot be read raises
     `RuntimeError` naming it at the first `next()`.
@@ -92,20 +95,23 @@ def weights_iterator(
     reader, nogds, budget = api._reader(reader), api._nogds(nogds), api._max_memory(max_memory)
     target = api._device_name(device)
     return _weights(paths, use_tqdm_on_load, target, dtype, reader, nogds, prefetch, tensor_filter,
-                    tensor_name_match_mode, budget)
+                    tensor_name_match_mode, budget, process_group)
 
 
 def _weights(paths: List[str], use_tqdm_on_load: Optional[bool], target: str, dtype: Optional[torch.dtype],
              reader: Optional[str], nogds: Optional[bool], prefetch: int, tensor_filter: api.TensorFilter,
-             tensor_name_match_mode: str, max_memory: Optional[str]) -> Iterator[Tuple[str, torch.Tensor]]:
+             tensor_name_match_mode: str, max_memory: Optional[str],
+             process_group: Optional[api.ProcessGroup] = None) -> Iterator[Tuple[str, torch.Tensor]]:
     show = progress_enabled(use_tqdm_on_load, default=False)
     logger.debug("weights_iterator: %d file(s) to %s, %s", len(paths), target, _reader_reason(reader))
     if target == "cpu" or (nogds is not False and prefetch == 0):
         yield from _streamed(paths, show, device=target, dtype=dtype, reader=reader, tensor_filter=tensor_filter,
-                             tensor_name_match_mode=tensor_name_match_mode, max_memory=max_memory)
+                             tensor_name_match_mode=tensor_name_match_mode, max_memory=max_memory,
+                             process_group=process_group)
         return
     yield from _file_by_file(paths, show, prefetch, device=target, dtype=dtype, reader=reader, nogds=nogds,
-                             tensor_filter=tensor_filter, tensor_name_match_mode=tensor_name_match_mode)
+                             tensor_filter=tensor_filter, tensor_name_match_mode=tensor_name_match_mode,
+                             process_group=process_group)
 
 
 def _streamed(paths: List[str], show: bool, **options) -> Iterator[Tuple[str, torch.Tensor]]:

@@ -105,18 +105,19 @@ def cuda_device_as_cpu(module: types.ModuleType) -> Iterator[List[str]]:
 # ---------------------------------------------------------------- checkpoints
 
 
-def save_llama(directory: Path) -> Path:
-    """A small Llama saved by transformers in 3 shards with model.safetensors.index.json."""
+def save_llama(directory: Path, scale: int = 1) -> Path:
+    """A small Llama saved by transformers in 3 shards with model.safetensors.index.json
+    (about 0.3 MB; `scale` times wider and `scale` squared times larger)."""
     import transformers
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=512 * scale, hidden_size=64 * scale, intermediate_size=128 * scale, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
         tie_word_embeddings=False,
     )
     model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(str(directory), max_shard_size="100KB")
+    model.save_pretrained(str(directory), max_shard_size=f"{100 * scale * scale}KB")
     shards = sorted(directory.glob("*.safetensors"))
     assert len(shards) >= 3 and (directory / "model.safetensors.index.json").is_file(), shards
     return directory
@@ -299,7 +300,26 @@ def run_scenario(*args: str, env: dict | None = None, timeout: float = 600) -> L
     return [line for line in proc.stdout.splitlines() if line.startswith("CHECKED ")]
 
 
-def run_ranks(client: str, model: Path, world: int, env: dict | None = None, timeout: float = 600) -> List[str]:
+def evict(path) -> None:
+    """Drops a file's pages from the page cache (no root needed for a clean file)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def read_bytes() -> int:
+    """Bytes this process has had fetched from storage (/proc/self/io)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    raise AssertionError("no read_bytes in /proc/self/io")
+
+
+def run_ranks(client: str, model: Path, world: int, env: dict | None = None, timeout: float = 600,
+              scenario: str = "ranks") -> List[str]:
     """`world` processes of scenarios.py joined in one gloo group; returns their CHECKED lines."""
     import subprocess
     import sys
@@ -308,7 +328,7 @@ def run_ranks(client: str, model: Path, world: int, env: dict | None = None, tim
     init = Path(tempfile.mkdtemp(prefix="gloo-")) / "init"
     full_env = {**os.environ, **(env or {})}
     procs = [
-        subprocess.Popen([sys.executable, str(here / "scenarios.py"), "ranks", str(model), "--client", client,
+        subprocess.Popen([sys.executable, str(here / "scenarios.py"), scenario, str(model), "--client", client,
                           "--rank", str(r), "--world", str(world), "--init", str(init)],
                          env=full_env, cwd=str(here), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for r in range(world)

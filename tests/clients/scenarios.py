@@ -226,9 +226,41 @@ def ranks(args) -> None:
         dist.destroy_process_group()
 
 
+def plugin_tp(args) -> None:
+    """One rank of a vLLM engine with tensor parallelism over `--world` ranks on the CPU: vLLM's
+    own process groups (gloo), then the plugin's loader over the whole checkpoint, its files
+    evicted from the page cache first; prints the bytes this rank read from storage."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    model = Path(args.model)
+    config = harness.vllm_config(model, "fastsafetensors_rs")
+    files = harness.checkpoint_files(model)
+    with set_current_vllm_config(config):
+        init_distributed_environment(world_size=args.world, rank=args.rank, local_rank=args.rank,
+                                     distributed_init_method=f"file://{args.init}", backend="gloo")
+        initialize_model_parallel(args.world, 1)
+        loader = get_model_loader(config.load_config)
+        # Once unmeasured, so that the code this loads from disk is not counted below.
+        harness.collect(loader.get_all_weights(config.model_config, torch.nn.Module()))
+        if args.rank == 0:
+            for f in files:
+                harness.evict(f)
+        dist.barrier()
+        before = harness.read_bytes()
+        got = harness.collect(loader.get_all_weights(config.model_config, torch.nn.Module()))
+        read = harness.read_bytes() - before
+    check(f"vllm-plugin-tp-rank{args.rank}-of-{args.world}", got, files)
+    print(f"CHECKED read_bytes {read}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["vllm-builtin", "vllm-plugin-env", "sglang-builtin", "ranks"])
+    parser.add_argument("scenario", choices=["vllm-builtin", "vllm-plugin-env", "sglang-builtin", "ranks",
+                                                 "plugin-tp"])
     parser.add_argument("model")
     parser.add_argument("--order", choices=["install-first", "client-first"], default="install-first")
     parser.add_argument("--load-model", action="store_true")
@@ -238,7 +270,7 @@ def main() -> int:
     parser.add_argument("--init", default="")
     args = parser.parse_args()
     {"vllm-builtin": vllm_builtin, "vllm-plugin-env": vllm_plugin_env,
-     "sglang-builtin": sglang_builtin, "ranks": ranks}[args.scenario](args)
+     "sglang-builtin": sglang_builtin, "ranks": ranks, "plugin-tp": plugin_tp}[args.scenario](args)
     return 0
 
 

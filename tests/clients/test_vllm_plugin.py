@@ -218,6 +218,18 @@ def test_expert_parallel_filter(moe, monkeypatch):
     assert sorted(selected) == sorted(ours), "only this rank's tensors are read"
 
 
+def test_tensor_parallel_ranks_read_the_checkpoint_once(tmp_path):
+    """TP = 2 on the CPU, vLLM's own process groups: each rank gets every tensor bit-exact
+    (checked in the ranks), and the two together read the checkpoint once from storage (a
+    larger Llama, of about 18 MB: each rank also reads the headers)."""
+    llama = harness.save_llama(tmp_path, scale=8)
+    lines = harness.run_ranks("vllm", llama, world=2, scenario="plugin-tp")
+    assert sum(line.startswith("CHECKED vllm-plugin-tp-rank") for line in lines) == 2, lines
+    read = sum(int(line.split()[-1]) for line in lines if line.startswith("CHECKED read_bytes"))
+    total = sum(Path(f).stat().st_size for f in checkpoint_files(llama))
+    assert 0.9 * total <= read <= 1.1 * total, (read, total)
+
+
 def test_options_from_model_loader_extra_config(llama):
     """Our keys (reader, prefetch, device, nogds) are taken; vLLM's own keys still pass to
     vLLM; the caller's LoadConfig is left as it was."""
@@ -241,6 +253,7 @@ def test_options_from_model_loader_extra_config(llama):
     ({"reader": "fast"}, r"model_loader_extra_config\['reader'\].*'auto' or 'direct' or 'mmap'"),
     ({"nogds": "yes"}, r"model_loader_extra_config\['nogds'\]"),
     ({"device": 0}, r"model_loader_extra_config\['device'\]"),
+    ({"share": "node"}, r"model_loader_extra_config\['share'\].*'tp' or 'world' or 'none'"),
     ({"bogus": 1}, r"Unexpected extra config keys.*bogus"),  # vLLM's own check
 ])
 def test_bad_options_are_refused(extra, message):
