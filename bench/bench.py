@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
+import fanout
 import scenarios
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -201,7 +202,8 @@ def run_dd(files: list[str], parallel: bool) -> None:
 def worker(loader: str, files: list[str]) -> dict[str, Any]:
     """Take one timed measurement; runs in a fresh interpreter."""
     if loader.startswith("scenario:"):
-        import scenarios
+        import fanout
+import scenarios
 
         return scenarios.worker(loader, files)
     loader = loader.removeprefix("base:")  # the other build is on the path already
@@ -428,6 +430,9 @@ def main() -> int:
             scenario_verdicts, scenarios_sound, scenario_results = scenarios.run(args, files)
             generated_dirs += [Path(g) for g in scenario_results.pop("generated")]
             sound = sound and scenarios_sound
+            if "fanout" in args.scenarios.split(","):
+                fanout_verdicts, scenario_results["fanout"] = fanout.run(files, args.runs)
+                scenario_verdicts += fanout_verdicts
             print("\nscenario targets:\n  " + "\n  ".join(scenario_verdicts))
             verdicts += scenario_verdicts
         if args.json:

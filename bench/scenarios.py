@@ -24,7 +24,7 @@ MiB = 1 << 20
 MEMORY_BUDGET = 256 * MiB
 # Slack allowed over budget + largest tensor (allocator, Python objects, page tables).
 MEMORY_SLACK = 64 * MiB
-SCENARIOS = ("streaming", "selection", "memory", "transformers", "moe")
+SCENARIOS = ("streaming", "selection", "memory", "transformers", "moe", "fanout")  # fanout: bench/fanout.py
 
 
 # ------------------------------------------------------------------ checkpoints
@@ -383,6 +383,8 @@ def run(args, llama_files: list[Path]) -> tuple[list[str], bool, dict]:
         for variant in ("stock", "ours"):
             for mode in ("cold", "warm"):
                 plan.append((f"hf:{variant}", f"scenario:hf:{variant}", [hf_dir], mode))
+    if "fanout" in chosen:
+        chosen.remove("fanout")  # measured by bench/fanout.py
     if "moe" in chosen:
         moe_files, fresh = ensure_moe_checkpoint(args.dir)
         if fresh:
