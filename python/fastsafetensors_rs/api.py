@@ -26,7 +26,7 @@ import logging
 import os
 import threading
 import weakref
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -246,6 +246,7 @@ def load(
     tensor_filter: TensorFilter = None,
     tensor_name_match_mode: str = "glob",
     process_group: Optional[ProcessGroup] = None,
+    shard: Optional[Mapping[str, int]] = None,
 ) -> Dict[str, torch.Tensor]:
     """Loads every tensor (or the selected ones) of one or more files into one dict.
 
@@ -273,6 +274,12 @@ def load(
             gets every tensor, while each byte is read from storage by one rank and the rest
             exchanged over the group (see `fastsafetensors_rs.distributed`; CUDA pieces go
             through pinned staging, without GPUDirect Storage).
+        shard: with `process_group`, the tensors to split over its ranks: `{glob pattern:
+            dimension}`; each rank gets its block of each matching tensor (rank r of n: indices
+            `[r*b, min((r+1)*b, size))`, `b = ceil(size / n)`, as `get_sharded` splits), and
+            every other tensor whole. A block of rows (dimension 0) is read by its rank alone,
+            only its bytes; a block along another dimension is scattered by the rank that read
+            the whole tensor; each byte is still read once between the ranks.
 
     The tensors own their memory: no handle needs closing, and a buffer is freed when the last
     tensor into it is gone. With the "auto" reader, files whose direct reads would not fit in
@@ -283,7 +290,11 @@ def load(
     paths = _paths(files)
     patterns, mode = _filter_args(tensor_filter, tensor_name_match_mode, paths)
     target, cast = _device_name(device), cast_dtype(dtype)
-    if _shared(process_group):
+    if shard is not None:
+        if process_group is None:
+            raise ValueError("shard= splits tensors over the ranks of a process_group: pass one")
+        out = distributed.sharded_load(paths, target, cast, reader, patterns, mode, process_group, dict(shard))
+    elif _shared(process_group):
         shared = distributed.SharedLoad(paths, target, cast, reader, patterns, mode, process_group, None, False)
         with _gc_paused():
             out = dict(pair for buffer in shared.buffers() for pair in buffer)
@@ -319,11 +330,12 @@ def load_file(
     tensor_filter: TensorFilter = None,
     tensor_name_match_mode: str = "glob",
     process_group: Optional[ProcessGroup] = None,
+    shard: Optional[Mapping[str, int]] = None,
 ) -> Dict[str, torch.Tensor]:
     """Loads one file (or a checkpoint directory or index), like
     `safetensors.torch.load_file`. See `load` for the arguments."""
     return load([filename], device=device, dtype=dtype, reader=reader, nogds=nogds, tensor_filter=tensor_filter,
-                tensor_name_match_mode=tensor_name_match_mode, process_group=process_group)
+                tensor_name_match_mode=tensor_name_match_mode, process_group=process_group, shard=shard)
 
 
 def release_staging_buffers() -> int:

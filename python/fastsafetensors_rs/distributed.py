@@ -36,10 +36,10 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from ._dtypes import DTYPES
+from ._dtypes import CASTABLE, DTYPES, torch_shape
 from ._ops import ops
 
-__all__ = ["node_group", "group_size", "SharedLoad", "SharedTensors"]
+__all__ = ["node_group", "group_size", "SharedLoad", "SharedTensors", "sharded_load", "block"]
 
 _PAGE = 4096
 # One node-local group per parent group, made once (every rank must make every group).
@@ -125,7 +125,6 @@ class SharedLoad:
         self.rank = dist.get_rank(group)
         self._device = torch.device(device)
         self._reader = reader
-        self._check_backend()
         request = {"files": list(paths), "tensor_filter": patterns, "tensor_name_match_mode": mode,
                    "dtype": str(dtype), "device": self._device.type, "max_memory": max_memory,
                    "streamed": streamed}
@@ -133,7 +132,8 @@ class SharedLoad:
         self._handle = -1
         self.plan: Dict[str, Any] = {}
         failure = None
-        try:
+        try:  # a failure here is every rank's: it goes to the others before raising
+            self._check_backend()
             files = paths if not self._own_handle else _files_of(paths)
             self._handle = ops.open_handle(files) if self._own_handle else handle
             text = ops.share_load(files, dtype, patterns, mode, self.world, (max_memory or "") if streamed else None,
@@ -291,3 +291,145 @@ class SharedTensors:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# ---------------------------------------------------------------- shards
+
+
+def block(size: int, world: int, rank: int) -> Tuple[int, int]:
+    """Rank `rank`'s part `[start, stop)` of `size` indices split over `world` ranks, as the
+    compatible API's `get_sharded` splits them: blocks of `ceil(size / world)`, the last ones
+    shorter or empty."""
+    b = -(-size // world)
+    return min(size, rank * b), min(size, (rank + 1) * b)
+
+
+def sharded_load(paths: Sequence[str], device: str, dtype: Optional[torch.dtype], reader: Optional[str],
+                 patterns: Optional[List[str]], mode: str, group: Any,
+                 shard: Dict[str, int]) -> Dict[str, torch.Tensor]:
+    """A load where the tensors `shard` names (glob pattern -> dimension) come as this rank's
+    block along that dimension, and every other selected tensor whole.
+
+    Row blocks (dimension 0) are read by their rank alone, only their bytes: nothing goes over
+    the group. A block along another dimension is not contiguous in the file: its tensor is
+    read whole by one rank (tensors spread over the ranks by bytes) and scattered. The other
+    tensors are read once between the ranks and exchanged (`SharedLoad`)."""
+    dist = _dist()
+    world, rank = group_size(group), dist.get_rank(group)
+    files = _files_of(paths)
+    handle = ops.open_handle(files)
+    try:
+        selected = list(ops.selected(files, patterns, mode, handle))
+        names, shapes, file_of = _headers(files, handle)
+        dims = _shard_dims(selected, shard, files, handle, shapes)
+        rows = [n for n in selected if dims.get(n) == 0]
+        columns = [n for n in selected if dims.get(n, 0) > 0]
+        whole = [n for n in selected if n not in dims]
+        out: Dict[str, torch.Tensor] = {}
+        if whole:
+            shared = SharedLoad(files, device, dtype, reader, whole, "exact", group, None, False, handle)
+            out.update(pair for buffer in shared.buffers() for pair in buffer)
+        for name in rows:
+            start, stop = block(shapes[name][0], world, rank)
+            if start == stop:  # more ranks than rows
+                empty = [0] + torch_shape(names[name], shapes[name])[1:]
+                t = torch.empty(empty, dtype=DTYPES[names[name]][0])
+            else:
+                t = ops.load_rows(files[file_of[name]], name, start, stop, reader, handle)
+            out[name] = _cast(t, dtype).to(device)
+        owners = _owners(columns, shapes, names, world)
+        mine = [n for n in columns if owners[n] == rank]
+        local = {}
+        if mine:
+            local = dict(zip(*ops.load_named(files, device, dtype, reader, None, mine, "exact", handle)[:2]))
+        for name in columns:
+            stored = names[name]
+            loaded = _cast(torch.empty(0, dtype=DTYPES[stored][0]), dtype).dtype
+            out[name] = _scatter(local.pop(name, None), name, dims[name], torch_shape(stored, shapes[name]), loaded,
+                                 device, owners[name], group, world, rank)
+        return {n: out[n] for n in selected}
+    finally:
+        ops.close_handle(handle)
+
+
+def _headers(files: Sequence[str], handle: int):
+    names: Dict[str, str] = {}
+    shapes: Dict[str, List[int]] = {}
+    file_of: Dict[str, int] = {}
+    for i, f in enumerate(files):
+        n, dtypes, s, _ = ops.describe(f, handle)
+        names.update(zip(n, dtypes))
+        shapes.update(zip(n, (list(x) for x in s)))
+        file_of.update((x, i) for x in n)
+    return names, shapes, file_of
+
+
+def _shard_dims(selected: List[str], shard: Dict[str, int], files: Sequence[str], handle: int,
+                shapes: Dict[str, List[int]]) -> Dict[str, int]:
+    """The dimension each selected tensor is split along (the first pattern that matches it)."""
+    dims: Dict[str, int] = {}
+    for pattern, dim in shard.items():
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise TypeError(f"shard[{pattern!r}]: expected a dimension (int), got {dim!r}")
+        for name in ops.selected(list(files), [pattern], "glob", handle):
+            if name in dims or name not in set(selected):
+                continue
+            ndim = len(shapes[name])  # F4 keeps its dimensions (the last one halved)
+            d = dim + ndim if dim < 0 else dim
+            if not 0 <= d < ndim:
+                raise ValueError(f"shard[{pattern!r}] = {dim}: tensor {name!r} has {ndim} dimension(s) "
+                                 f"(shape {shapes[name]})")
+            dims[name] = d
+    return dims
+
+
+def _owners(columns: List[str], shapes: Dict[str, List[int]], dtypes: Dict[str, str], world: int) -> Dict[str, int]:
+    """Which rank reads each tensor split along a dimension other than 0: the largest first,
+    each to the rank with the fewest bytes so far (the same on every rank: headers only)."""
+    load = [0] * world
+    owners: Dict[str, int] = {}
+    size = {n: DTYPES[dtypes[n]][1] * max(1, _numel(shapes[n])) for n in columns}
+    for name in sorted(columns, key=lambda n: (-size[n], n)):
+        r = min(range(world), key=lambda k: (load[k], k))
+        owners[name] = r
+        load[r] += size[name]
+    return owners
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _cast(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """`dtype=` as the loader applies it: floating-point tensors cast, the rest kept."""
+    return t.to(dtype) if dtype is not None and t.dtype in CASTABLE and t.dtype != dtype else t
+
+
+def _scatter(whole: Optional[torch.Tensor], name: str, dim: int, shape: List[int], dtype: torch.dtype,
+             device: str, owner: int, group: Any, world: int, rank: int) -> torch.Tensor:
+    """This rank's block along `dim` of tensor `name` (of torch `shape` and `dtype` once
+    loaded), scattered by the rank that read it (`whole` there). Blocks are padded to the
+    first (the largest) for the scatter and cut back on arrival."""
+    dist = _dist()
+    # Blocks travel as bytes (a last dimension of each element's bytes): every dtype (float8,
+    # float4, bool, bfloat16) is cut, padded and scattered alike, bit for bit, on any backend.
+    size = torch.empty(0, dtype=dtype).element_size()
+    b = -(-shape[dim] // world)
+    padded = shape[:dim] + [b] + shape[dim + 1:] + [size]
+    out = torch.empty(padded, dtype=torch.uint8, device=device)
+    chunks = None
+    if rank == owner:
+        bits = whole.unsqueeze(-1).view(torch.uint8)
+        chunks = []
+        for r in range(world):
+            start, stop = block(shape[dim], world, r)
+            chunk = torch.zeros(padded, dtype=torch.uint8, device=device)
+            chunk.narrow(dim, 0, stop - start).copy_(bits.narrow(dim, start, stop - start))
+            chunks.append(chunk)
+    if out.numel():
+        dist.scatter(out, chunks, src=dist.get_global_rank(group, owner), group=group)
+    start, stop = block(shape[dim], world, rank)
+    return out.narrow(dim, 0, stop - start).contiguous().view(dtype).squeeze(-1)

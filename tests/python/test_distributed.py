@@ -105,6 +105,19 @@ class Worker:
             handle = dict(f.tensors(process_group=self.group))
         return {"tensors": got, "order": names, "counts": (it.tensor_count, it.byte_count), "safe_open": handle}
 
+    def sharded(self) -> dict:
+        """Row blocks of the layers' weights, column blocks of lm_head, the rest whole."""
+        import fastsafetensors_rs as fst
+
+        self._cold(self.files)
+        before = read_bytes()
+        out = fst.load(self.files, process_group=self.group, reader="direct",
+                       shard={"layers.*.w": 0, "lm_head": 1, "f4": -1})
+        read = read_bytes() - before
+        cast = fst.load(self.files, process_group=self.group, dtype=torch.float32, tensor_filter="layers.2.*",
+                        shard={"layers.2.w": 1, "*.norm": 0})
+        return {"tensors": out, "read": read, "cast": cast}
+
     def mismatch(self) -> dict:
         import fastsafetensors_rs as fst
 
@@ -199,7 +212,7 @@ def owned(value):
     return value
 
 
-SCENARIOS = ["bulk", "filtered", "streamed", "mismatch", "plan_failure", "read_failure"]
+SCENARIOS = ["bulk", "filtered", "streamed", "sharded", "mismatch", "plan_failure", "read_failure"]
 
 
 def worker_main(mode: str, d: str, rank: int, world: int, init_file: str) -> int:
@@ -337,6 +350,30 @@ def test_streams_hand_out_every_tensor_in_read_order(world, ref, ckpt):
             U.assert_same_tensor(t, want, name)
         layers = {k: v for k, v in ref.items() if k.startswith("layers.")}
         U.assert_same_dict(s["safe_open"], layers)
+
+
+def test_shards_are_each_ranks_block_read_once_between_the_ranks(world, ref, ckpt):
+    from fastsafetensors_rs.distributed import block
+
+    n, ranks = world
+    dims = {f"layers.{i}.w": 0 for i in range(4)} | {"lm_head": 1, "f4": 1}
+    for rank, r in enumerate(ranks):
+        got = r["sharded"]["tensors"]
+        assert sorted(got) == sorted(ref)
+        for name, t in ref.items():
+            if name in dims:
+                start, stop = block(t.shape[dims[name]], n, rank)
+                t = t.narrow(dims[name], start, stop - start)
+            U.assert_same_tensor(got[name], t, name)
+        cast = r["sharded"]["cast"]
+        start, stop = block(ref["layers.2.w"].shape[1], n, rank)
+        assert torch.equal(cast["layers.2.w"], ref["layers.2.w"].float().narrow(1, start, stop - start))
+        start, stop = block(ref["layers.2.norm"].shape[0], n, rank)
+        assert torch.equal(cast["layers.2.norm"], ref["layers.2.norm"][start:stop])
+    if U.supports_o_direct(ckpt):
+        total = file_bytes(ckpt)
+        # Row blocks are read in whole pages: a few pages more per block at most.
+        assert total * 0.95 <= sum(r["sharded"]["read"] for r in ranks) <= total * 1.05 + 16 * 4096 * n
 
 
 def test_ranks_asking_for_different_loads_are_refused_naming_the_difference(world):
