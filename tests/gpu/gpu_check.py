@@ -27,6 +27,10 @@ any check failed, 0 otherwise (also on machines without CUDA, where nothing can 
   GDS           nogds=False never reports "gds" where cuFile runs in compatibility mode; with
                 nvidia-fs: a > 512 MiB file into a fragmented allocator, to each GPU, with the
                 nvidia-fs read counters checked
+  fan-out       a load shared over an NCCL group (process_group=): its pieces read into
+                device memory through the staging ring and all-gathered by NCCL, bit-exact
+                with a cast and a filter; a world of one on one GPU, and of 2 ranks (torchrun)
+                where there are two GPUs
   throughput    cold and warm, each path against safetensors' safe_open(device="cuda") and
                 the limits (dd iflag=direct, pinned host-to-device), outputs compared
 
@@ -269,8 +273,37 @@ def child_no_files(path: str) -> dict:
             "gpu0_context": bool(torch._C._cuda_hasPrimaryContext(0))}
 
 
+def child_fanout(path: str) -> dict:
+    """One rank of a shared load over NCCL (torchrun's environment, or a world of one): the
+    shared path itself, even for one rank, compared with safetensors on every rank."""
+    import torch.distributed as dist
+
+    from fastsafetensors_rs import distributed
+
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
+    rank = int(os.environ["RANK"])
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl")
+    try:
+        ref = st_load_file(path)
+        evict([path])
+        results = {}
+        for label, dtype, patterns in [("whole", None, None), ("cast+filter", torch.float16, ["*"])]:
+            shared = distributed.SharedLoad([path], f"cuda:{torch.cuda.current_device()}", dtype, None, patterns,
+                                            "glob", dist.group.WORLD, None, False)
+            got = dict(pair for buffer in shared.buffers() for pair in buffer)
+            torch.cuda.synchronize()
+            castable = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+            want = {k: (v.to(dtype) if dtype is not None and v.dtype in castable else v) for k, v in ref.items()}
+            results[label] = sorted(got) == sorted(want) and all(same(got[k], want[k]) for k in want)
+        return {"rank": rank, "world": dist.get_world_size(), **results}
+    finally:
+        dist.destroy_process_group()
+
+
 CHILDREN = {"pattern": child_pattern, "truncate": child_truncate, "gds_compat": child_gds_compat,
-            "no_files": child_no_files}
+            "no_files": child_no_files, "fanout": child_fanout}
 
 
 # ---------------------------------------------------------------- checks
@@ -510,6 +543,22 @@ def memory_cast(tmp: str) -> None:
     row("memory", abs(held - expected) < (2 << 20) and exact,
         "fp32 files with an integer tensor, dtype=bfloat16: memory held = tensors",
         f"held {held} bytes, tensors {expected} bytes")
+
+
+def fanout(tmp: str, pattern: str) -> None:
+    """Shared loads over NCCL: a world of one, and two ranks where there are two GPUs."""
+    result = run_child("fanout", pattern)
+    ok = "error" not in result and result.get("whole") is True and result.get("cast+filter") is True
+    row("fan-out", ok, "a world of one over NCCL: pieces staged to the GPU, all-gathered, bit-exact",
+        result.get("error", ""))
+    if gpus() < 2:
+        row("fan-out", "one GPU", "2 ranks over NCCL on 2 GPUs")
+        return
+    result = run_child("fanout", pattern, prefix=(sys.executable, "-m", "torch.distributed.run",
+                                                   "--nproc-per-node", "2", "--no-python"))
+    ok = "error" not in result and result.get("whole") is True and result.get("cast+filter") is True
+    row("fan-out", ok, "2 ranks over NCCL on 2 GPUs: each byte read once, bit-exact on rank 0",
+        result.get("error", ""))
 
 
 @guarded("streaming", "streaming to cuda")
@@ -767,6 +816,8 @@ def main() -> int:
         memory_cast(tmp)
         print("streaming")
         streaming(tmp)
+        print("fan-out")
+        guarded("fan-out", "fan-out")(fanout)(tmp, small_pattern)
         print("staging")
         staging(tmp)
         print("GDS")
