@@ -266,6 +266,7 @@ mod ffi {
         /// default). For a bulk load, a buffer per file (or per selected range); `streamed`:
         /// buffers of at most a quarter of `max_memory` ("" for the default), so that two in
         /// flight and those handed out fit in it.
+        #[allow(clippy::too_many_arguments)]
         fn share_load(
             paths: &Vec<String>,
             selection: &TensorSelection,
@@ -501,6 +502,7 @@ fn opened(handle: i64) -> Result<Option<Arc<OpenFiles>>> {
     HANDLES.get(handle).map(Some)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn share_load(
     paths: &Vec<String>,
     selection: &TensorSelection,
