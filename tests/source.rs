@@ -6,7 +6,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use common::{safetensors, TempDir};
@@ -25,12 +25,23 @@ struct MemorySource {
     bytes: Vec<u8>,
     identity: Identity,
     replaced: AtomicBool,
+    /// Where each read is written down (this source's number), if anywhere.
+    log: Option<(usize, Arc<Mutex<Vec<usize>>>)>,
 }
 
 impl MemorySource {
     fn new(name: &str, bytes: Vec<u8>) -> Arc<MemorySource> {
+        Arc::new(Self::unlogged(name, bytes))
+    }
+
+    fn unlogged(name: &str, bytes: Vec<u8>) -> MemorySource {
         let identity = Identity::File { len: bytes.len() as u64, modified: Some(SystemTime::UNIX_EPOCH) };
-        Arc::new(MemorySource { path: PathBuf::from(name), bytes, identity, replaced: AtomicBool::new(false) })
+        MemorySource { path: PathBuf::from(name), bytes, identity, replaced: AtomicBool::new(false), log: None }
+    }
+
+    /// A source that writes `number` into `log` at each read.
+    fn logged(name: &str, bytes: Vec<u8>, number: usize, log: &Arc<Mutex<Vec<usize>>>) -> Arc<MemorySource> {
+        Arc::new(MemorySource { log: Some((number, Arc::clone(log))), ..Self::unlogged(name, bytes) })
     }
 }
 
@@ -50,6 +61,9 @@ impl Source for MemorySource {
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        if let Some((number, log)) = &self.log {
+            log.lock().unwrap().push(*number);
+        }
         let start = (offset as usize).min(self.bytes.len());
         let n = buf.len().min(self.bytes.len() - start);
         buf[..n].copy_from_slice(&self.bytes[start..start + n]);
@@ -103,6 +117,35 @@ fn a_stream_from_a_source_in_memory_hands_out_every_tensor() {
         got.extend(group.tensors.iter().map(|t| (t.name.clone(), group.bytes(t).to_vec())));
     }
     assert_eq!(got, expected);
+}
+
+/// A stream of several files reads ahead in the next ones while the consumer is on the first
+/// (a disk serves several sequential streams faster than one), and still hands out every
+/// tensor in file order.
+#[test]
+fn a_stream_reads_later_files_while_the_first_is_read() {
+    let dir = TempDir::new("source-lanes");
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let mut sources: Vec<Arc<dyn Source>> = Vec::new();
+    let mut expected = Vec::new();
+    for f in 0..4 {
+        let names: Vec<String> = (0..8).map(|i| format!("f{f}.t{i}")).collect();
+        let tensors: Vec<(&str, &str, &[u64])> = names.iter().map(|n| (n.as_str(), "U8", &[20_000u64][..])).collect();
+        let bytes = safetensors(&tensors, 8);
+        expected.extend(reference(&dir, &bytes));
+        sources.push(MemorySource::logged(&format!("memory://f{f}.safetensors"), bytes, f, &log));
+    }
+    let options = StreamOptions { block: 4096, ..StreamOptions::with_budget(1 << 20) };
+    let mut stream = TensorStream::open(plan_sources(sources).unwrap(), options).unwrap();
+    let mut got = Vec::new();
+    while let Some(group) = stream.next_group().unwrap() {
+        got.extend(group.tensors.iter().map(|t| (t.name.clone(), group.bytes(t).to_vec())));
+    }
+    assert_eq!(got, expected, "every tensor, in file order");
+    let log = log.lock().unwrap();
+    let first_of_second = log.iter().position(|&f| f == 1).expect("file 1 was read");
+    let last_of_first = log.iter().rposition(|&f| f == 0).expect("file 0 was read");
+    assert!(first_of_second < last_of_first, "file 1 read only after file 0: {log:?}");
 }
 
 #[test]

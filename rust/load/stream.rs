@@ -32,6 +32,7 @@
 //! unchanged before the group is handed out; a file that changed or shrank mid-stream ends
 //! the stream with [`Error::Changed`] or [`Error::Truncated`].
 
+use std::collections::{BTreeMap, HashMap};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
@@ -48,6 +49,9 @@ use crate::source::{self, io_pool, HostBuffer, HostRead, ReadPath, ReaderKind, S
 /// Largest group when the budget allows it: large enough that a group's reads keep several
 /// I/O threads busy, small beside any budget worth setting.
 pub const DEFAULT_GROUP: u64 = 32 << 20;
+
+/// Files a stream reads at once: the consumer's, and up to this many minus one ahead.
+const LANES: usize = 4;
 
 #[derive(Debug, Clone)]
 pub struct StreamOptions {
@@ -127,7 +131,9 @@ pub struct TensorStream {
     shared: Arc<Shared>,
     sources: Vec<Arc<dyn Source>>,
     readers: Vec<Option<Arc<BlockReader>>>,
-    pending: Option<Receiver<Result<Pending>>>,
+    pending: Option<Receiver<(usize, Result<Pending>)>>,
+    /// Groups that arrived ahead of their turn (read ahead in a later file).
+    arrived: HashMap<usize, Result<Pending>>,
     scheduler: Option<JoinHandle<()>>,
     next: usize,
     groups: usize,
@@ -175,6 +181,7 @@ impl TensorStream {
             sources,
             readers,
             pending: Some(rx),
+            arrived: HashMap::new(),
             scheduler: Some(scheduler),
             next: 0,
             groups,
@@ -218,7 +225,7 @@ impl TensorStream {
         }
         let index = self.next;
         self.shared.update(|s| s.waiting_for = Some(index));
-        let received = self.pending.as_ref().expect("a running stream has its receiver").recv();
+        let received = self.receive(index);
         let result = match received {
             Ok(Ok(pending)) => pending.wait(&self.readers).and_then(|group| {
                 self.sources[group.file].check_unchanged()?;
@@ -240,6 +247,21 @@ impl TensorStream {
         }
     }
 
+    /// Group `index` as the scheduler sent it, keeping those that come first for later.
+    fn receive(&mut self, index: usize) -> std::result::Result<Result<Pending>, std::sync::mpsc::RecvError> {
+        if let Some(found) = self.arrived.remove(&index) {
+            return Ok(found);
+        }
+        let rx = self.pending.as_ref().expect("a running stream has its receiver");
+        loop {
+            let (k, pending) = rx.recv()?;
+            if k == index {
+                return Ok(pending);
+            }
+            self.arrived.insert(k, pending);
+        }
+    }
+
     /// Cancels what is still queued, joins the scheduler and waits for running reads.
     fn stop(&mut self) {
         if self.finished {
@@ -248,6 +270,7 @@ impl TensorStream {
         self.finished = true;
         self.shared.update(|s| s.cancelled = true);
         self.pending = None;
+        self.arrived.clear();
         if let Some(scheduler) = self.scheduler.take() {
             // The scheduler catches its own panics; an error here could only be one in that.
             let _ = scheduler.join();
@@ -353,6 +376,26 @@ impl Shared {
             }
             state = self.changed.wait(state).unwrap_or_else(PoisonError::into_inner);
         }
+    }
+}
+
+impl Shared {
+    /// Memory for group `index` now, if it fits within `limit` bytes in use (an idle buffer
+    /// for a pooled size, or new memory); `None` otherwise, without waiting.
+    fn try_admit(self: &Arc<Self>, bytes: u64, pooled: bool, limit: u64) -> Option<(Reservation, Option<MmapMut>)> {
+        let mut state = self.lock();
+        if state.cancelled {
+            return None;
+        }
+        if pooled && !state.idle.is_empty() && state.used <= limit {
+            let map = state.idle.pop();
+            return Some((Reservation { shared: Arc::clone(self), bytes, pooled }, map));
+        }
+        if state.used.saturating_add(bytes) > limit {
+            return None;
+        }
+        state.used += bytes;
+        Some((Reservation { shared: Arc::clone(self), bytes, pooled }, None))
     }
 }
 
@@ -469,19 +512,55 @@ struct Schedule {
 }
 
 impl Schedule {
-    fn run(mut self, tx: Sender<Result<Pending>>) {
-        let groups = std::mem::take(&mut self.groups);
-        for (index, (extent, tensors)) in groups.into_iter().enumerate() {
-            // Reads go into pooled buffers when the group fits one; mappings need no memory
-            // of their own, but what their tensors touch is counted as well.
+    /// Admits and starts the groups: in order, and, while less than half the budget is in
+    /// use, alternately the first group not yet started of one of the next files. A disk (or
+    /// the host under a VM) serves several sequential streams faster than one: a bulk load
+    /// reads all its files at once, and a stream without this reads one file at a time.
+    fn run(mut self, tx: Sender<(usize, Result<Pending>)>) {
+        let mut groups: Vec<Option<PlannedGroup>> = std::mem::take(&mut self.groups).into_iter().map(Some).collect();
+        // Each file's groups are a run of indexes; `next[f]`: the first of file f not started.
+        let mut next: BTreeMap<usize, usize> = BTreeMap::new();
+        for (i, g) in groups.iter().enumerate().rev() {
+            next.insert(g.as_ref().expect("not started yet").0.file, i);
+        }
+        let mut lowest = 0;
+        let mut turn = 0;
+        while lowest < groups.len() {
+            let current = groups[lowest].as_ref().expect("the lowest not started").0.file;
+            let ahead: Vec<usize> =
+                next.range(current + 1..).take(LANES - 1).map(|(_, &i)| i).filter(|&i| groups[i].is_some()).collect();
+            turn += 1;
+            let index = if !ahead.is_empty() && turn % 2 == 0 { ahead[(turn / 2) % ahead.len()] } else { lowest };
+            let (extent, tensors) = groups[index].take().expect("each group starts once");
             let pooled = self.readers[extent.file].is_some() && extent.len <= self.shared.pooled_len;
             let bytes = if pooled { self.shared.pooled_len } else { extent.len };
-            let Some((reservation, reused)) = self.shared.admit(index, bytes, pooled) else { return };
+            let admitted = if index == lowest {
+                self.shared.admit(index, bytes, pooled)
+            } else {
+                match self.shared.try_admit(bytes, pooled, self.shared.budget / 2) {
+                    Some(admitted) => Some(admitted),
+                    None if self.shared.cancelled() => None,
+                    None => {
+                        groups[index] = Some((extent, tensors)); // not now: the in-order one next
+                        continue;
+                    }
+                }
+            };
+            let Some((reservation, reused)) = admitted else { return };
+            let file = extent.file;
             let started = catch_unwind(AssertUnwindSafe(|| self.start(extent, tensors, reservation, reused)))
                 .unwrap_or_else(|panic| Err(Error::from_panic(panic)));
             let failed = started.is_err();
-            if tx.send(started).is_err() || failed {
+            if tx.send((index, started)).is_err() || failed {
                 return;
+            }
+            // The file's next group, and the lowest group not started.
+            match groups.get(index + 1) {
+                Some(Some(g)) if g.0.file == file => next.insert(file, index + 1),
+                _ => next.remove(&file),
+            };
+            while lowest < groups.len() && groups[lowest].is_none() {
+                lowest += 1;
             }
         }
     }
