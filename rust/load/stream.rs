@@ -530,7 +530,7 @@ impl Schedule {
             let ahead: Vec<usize> =
                 next.range(current + 1..).take(LANES - 1).map(|(_, &i)| i).filter(|&i| groups[i].is_some()).collect();
             turn += 1;
-            let index = if !ahead.is_empty() && turn % 2 == 0 { ahead[(turn / 2) % ahead.len()] } else { lowest };
+            let index = if !ahead.is_empty() && turn % 2 == 0 { ahead[(turn / 2 - 1) % ahead.len()] } else { lowest };
             let (extent, tensors) = groups[index].take().expect("each group starts once");
             let pooled = self.readers[extent.file].is_some() && extent.len <= self.shared.pooled_len;
             let bytes = if pooled { self.shared.pooled_len } else { extent.len };
