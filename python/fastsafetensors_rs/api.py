@@ -361,9 +361,9 @@ def stream(
     max_memory: Union[None, int, str] = None,
     process_group: Optional[ProcessGroup] = None,
 ) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Yields `(name, tensor)` for the selected tensors of `files`, in the order their bytes are
-    read (file by file, in file order), each as soon as the group of tensors it was read with
-    has arrived, while the reads of later groups go on in the background.
+    """Yields `(name, tensor)` for the selected tensors of `files`, in file order and within a
+    file in the order of the data, each as soon as the group of tensors it was read with has
+    arrived, while the reads of later groups (also in the next files) go on in the background.
 
     Args:
         max_memory: the most memory the stream's buffers may hold at once: bytes or a size

@@ -16,9 +16,11 @@
 //!
 //! The selected tensors are planned into extents of at most [`StreamOptions::group`] bytes
 //! ([`plan::plan_extents`]); each extent is a group. A scheduler thread admits the groups in
-//! order while they fit the budget, allocates (or, for a file in the page cache, maps) each
-//! one's buffer and queues its block reads on the I/O pool. The consumer takes the groups in
-//! the same order, each once all its reads have completed.
+//! order while they fit the budget and, while less than half of it is in use, alternately the
+//! next group of one of the next few files (several files read at once, as a bulk load reads
+//! them); it allocates (or, for a file in the page cache, maps) each one's buffer and queues
+//! its block reads on the I/O pool. The consumer takes the groups in order, each once all its
+//! reads have completed.
 //!
 //! Memory: a group's buffer holds its reservation on the budget until the buffer is freed,
 //! that is until the last tensor into it is dropped, so the budget bounds the buffers being
