@@ -202,8 +202,7 @@ def run_dd(files: list[str], parallel: bool) -> None:
 def worker(loader: str, files: list[str]) -> dict[str, Any]:
     """Take one timed measurement; runs in a fresh interpreter."""
     if loader.startswith("scenario:"):
-        import fanout
-import scenarios
+        import scenarios
 
         return scenarios.worker(loader, files)
     loader = loader.removeprefix("base:")  # the other build is on the path already
@@ -223,8 +222,12 @@ import scenarios
     with open("/proc/self/statm") as fh:
         base_kb = int(fh.read().split()[1]) * PAGE // 1024
     start = time.perf_counter()
-    tensors = {"dst": dst.copy_(src)} if loader == "memcpy" else load(loader, files)
-    checksum = touch(tensors.values())
+    if loader == "ours-stream":  # each tensor touched and dropped as it arrives
+        import fastsafetensors_rs
+        checksum = sum(touch([t]) for _, t in fastsafetensors_rs.stream(files))
+    else:
+        tensors = {"dst": dst.copy_(src)} if loader == "memcpy" else load(loader, files)
+        checksum = touch(tensors.values())
     seconds = time.perf_counter() - start
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"seconds": seconds, "bytes": nbytes, "base_kb": base_kb, "peak_kb": peak_kb,
@@ -378,7 +381,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--dir", type=Path, default=REPO / "bench-data", help="checkpoint cache")
     ap.add_argument("--keep", action="store_true", help="keep a newly generated checkpoint")
     ap.add_argument("--extra", default="", help="extra comma-separated rows, e.g. "
-                    "ours:direct,ours:mmap,safetensors:pread")
+                    "ours:direct,ours:mmap,ours-stream,safetensors:pread")
     ap.add_argument("--json", type=Path, help="also write the results to this JSON file")
     ap.add_argument("--baseline", type=Path, help="another build of the package, installed with "
                     "`pip install --no-deps --target DIR WHEEL`, measured beside this one: its rows "
