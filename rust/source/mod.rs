@@ -1,6 +1,7 @@
 //! Where bytes come from, and reading them into host memory.
 //!
-//! A [`Source`] is one checkpoint file wherever it lives; [`LocalFile`] is the one kind today.
+//! A [`Source`] is one checkpoint file wherever it lives: a [`LocalFile`], or an object in a
+//! store or behind an HTTP URL ([`remote::RemoteObject`]); [`open`] picks by the path.
 //! The unit of reading is an [`Extent`]: an aligned byte range of one file (the whole file for
 //! a plain load) that becomes one [`HostBuffer`], so a tensor's address is
 //! `buffer + (file offset - extent start)`. Two ways to fill it:
@@ -12,18 +13,19 @@
 //!   tensors point straight at the page cache until written to).
 //!
 //! [`ReaderKind::Auto`] picks per file: mmap when the file's pages are already resident,
-//! direct otherwise.
+//! direct otherwise. A remote object is always read (with parallel ranged GETs, [`remote`]).
 
 pub mod budget;
 pub mod direct;
 pub mod mmap;
+pub mod remote;
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::SystemTime;
 
 use memmap2::MmapMut;
@@ -106,6 +108,8 @@ pub enum ReadPath {
     /// cuFile in compatibility mode: it emulates GPUDirect Storage with reads through host
     /// memory (the nvidia-fs driver is not loaded, or cuFile is told so).
     GdsCompat,
+    /// Ranged GETs of an object in a store, or of an HTTP URL.
+    Remote,
     /// Nothing: no tensor of the file was selected.
     NotRead,
 }
@@ -119,6 +123,7 @@ impl ReadPath {
             ReadPath::MmapFallback => "mmap-fallback",
             ReadPath::Gds => "gds",
             ReadPath::GdsCompat => "gds-compat",
+            ReadPath::Remote => "remote",
             ReadPath::NotRead => "none",
         }
     }
@@ -196,13 +201,16 @@ pub enum HostRead {
 pub enum Identity {
     /// A local file: its size and modification time.
     File { len: u64, modified: Option<SystemTime> },
+    /// An object in a store: its size, and its ETag and version id (or generation) where the
+    /// store gives them.
+    Object { len: u64, e_tag: Option<String>, version: Option<String> },
 }
 
 impl Identity {
     #[allow(clippy::len_without_is_empty)] // a size, not a collection
     pub fn len(&self) -> u64 {
         match self {
-            Identity::File { len, .. } => *len,
+            Identity::File { len, .. } | Identity::Object { len, .. } => *len,
         }
     }
 }
@@ -235,6 +243,12 @@ pub trait Source: Send + Sync {
     fn capabilities(&self) -> Capabilities;
     /// The local file behind the source, if there is one.
     fn local(&self) -> Option<&LocalFile>;
+
+    /// Whether the source splits a read into parallel requests itself (a remote object): it is
+    /// then given whole extents rather than blocks spread over the I/O pool.
+    fn splits_reads(&self) -> bool {
+        false
+    }
 
     /// Bytes in the source (as opened).
     fn len(&self) -> u64 {
@@ -273,6 +287,16 @@ pub trait Source: Send + Sync {
         }
         format::parse_header(&json, self.len()).map_err(format_err)
     }
+}
+
+/// Opens what `path` names: an object for a URL (`s3://`, `gs://`, `az://`, `http(s)://`),
+/// else a local file.
+pub fn open(path: &Path) -> Result<Arc<dyn Source>> {
+    if remote::is_url(path) {
+        let url = path.to_str().expect("a URL is UTF-8");
+        return Ok(Arc::new(remote::RemoteObject::open(url)?));
+    }
+    Ok(Arc::new(LocalFile::open(path)?))
 }
 
 /// Decides how to bring `src` into host memory: the reader `kind` asks for, or for `Auto`, a
