@@ -98,7 +98,7 @@ pub enum Error {
     #[error("{url}: the object changed while it was being loaded (it is no longer the version whose header was read); load it again once it is complete")]
     RemoteChanged { url: String },
     /// A request for an object failed after its retries (unreachable host, timeout, server error).
-    #[error("{url}: {detail}")]
+    #[error("{url}: {detail} (FASTSAFETENSORS_REMOTE_RETRIES and FASTSAFETENSORS_REMOTE_TIMEOUT set how long a request is retried)")]
     Remote { url: String, detail: String },
     /// A panic inside the loader, caught before it could cross the FFI boundary. Always a bug.
     #[error("internal error (please report): {0}")]

@@ -121,7 +121,7 @@ fn runtime() -> Result<&'static Runtime> {
                 .map_err(|e| e.to_string())
         })
         .as_ref()
-        .map_err(|e| Error::Remote { url: String::new(), detail: format!("cannot start the I/O runtime: {e}") })
+        .map_err(|e| Error::io("remote I/O runtime", "start", std::io::Error::other(e.clone())))
 }
 
 /// Runs `fut` to completion on the runtime, from a thread that is not one of its own.

@@ -318,8 +318,9 @@ api_bind_addr = "127.0.0.1:{self.admin_port}"
         return {"AWS_ACCESS_KEY_ID": self.key_id, "AWS_SECRET_ACCESS_KEY": self.secret,
                 "AWS_REGION": REGION, "AWS_ENDPOINT_URL": endpoint or self.endpoint}
 
-    def request(self, method: str, bucket: str, key: str, body: bytes = b"") -> http.client.HTTPResponse:
-        """One signed (SigV4, unsigned payload) path-style request."""
+    def request(self, method: str, bucket: str, key: str, body: bytes = b"",
+                extra: dict | None = None) -> http.client.HTTPResponse:
+        """One signed (SigV4, unsigned payload) path-style request; `extra` headers unsigned."""
         path = "/" + urllib.parse.quote(f"{bucket}/{key}".rstrip("/"), safe="/-_.~")
         host = f"127.0.0.1:{self.s3_port}"
         now = datetime.datetime.now(datetime.timezone.utc)
@@ -337,7 +338,7 @@ api_bind_addr = "127.0.0.1:{self.admin_port}"
         headers["Authorization"] = (f"AWS4-HMAC-SHA256 Credential={self.key_id}/{scope}, "
                                     f"SignedHeaders={signed}, Signature={signature}")
         conn = http.client.HTTPConnection("127.0.0.1", self.s3_port, timeout=120)
-        conn.request(method, path, body=body, headers=headers)
+        conn.request(method, path, body=body, headers={**headers, **(extra or {})})
         resp = conn.getresponse()
         resp.data = resp.read()
         conn.close()

@@ -200,6 +200,20 @@ def test_the_ibm_api_and_vllms_iterator_take_urls(remote):
     U.assert_same_dict(got, reference_dir(local / "sharded"))
 
 
+def test_the_vllm_plugin_reads_weights_from_a_url(remote):
+    from fastsafetensors_rs import vllm_plugin
+
+    base, local = remote
+    url = f"{base}/sharded/model.safetensors.index.json"
+    assert vllm_plugin.parse_options({"weights": url}) == {"weights": url}
+    with pytest.raises(ValueError, match=r"model_loader_extra_config\['weights'\].*a URL or a path"):
+        vllm_plugin.parse_options({"weights": 3})
+    files = vllm_plugin.weights_files(url)
+    assert files == [f"{base}/sharded/model-0000{k}-of-00002.safetensors" for k in (1, 2)]
+    got = {n: t.clone() for n, t in fst.weights_iterator(files)}
+    U.assert_same_dict(got, reference_dir(local / "sharded"))
+
+
 def test_a_filter_fetches_only_the_selected_bytes(http_server, local_models, monkeypatch):
     monkeypatch.setenv("FASTSAFETENSORS_REMOTE_PART_SIZE", "1M")
     url = f"{http_server.url}/big/model.safetensors"
