@@ -10,7 +10,7 @@ SOURCES := $(shell find rust csrc python/fastsafetensors_rs build_backend \
            Cargo.toml Cargo.lock setup.py pyproject.toml MANIFEST.in README.md LICENSE
 
 .PHONY: all venv build dev demo test test-rust test-python test-install bench gpu-check clean tf4 cpp-example
-.PHONY: garage test-remote
+.PHONY: garage test-remote bench-remote
 .PHONY: fuzz sanitize sanitize-rust sanitize-cpp test-vllm
 
 all: build
@@ -128,8 +128,14 @@ $(CPP_EXAMPLE): examples/cpp/load.cpp | $(INSTALLED)
 
 cpp-example: $(CPP_EXAMPLE)
 
-bench: build
+# Local files (bench/bench.py), then the same kind of checkpoint from a local S3 server
+# (bench/remote.py: Garage on 127.0.0.1, beside parallel curl ranged GETs).
+bench: build garage
 	$(PY) bench/bench.py $(BENCH_ARGS)
+	FST_GARAGE=$(abspath $(GARAGE)) $(PY) bench/remote.py $(BENCH_REMOTE_ARGS)
+
+bench-remote: build garage
+	FST_GARAGE=$(abspath $(GARAGE)) $(PY) bench/remote.py $(BENCH_REMOTE_ARGS)
 
 # On a machine with a GPU: every CUDA check in one table (tests/gpu/gpu_check.py lists them),
 # then throughput; under 10 minutes on one GPU. It needs only torch, safetensors and the built
