@@ -342,6 +342,7 @@ pub fn check_env() -> Result<()> {
     budget::limit_from_env()?;
     budget::stream_limit_from_env()?;
     source::remote::RemoteSettings::from_env()?;
+    source::cache::dir_from_env()?;
     // Read when GPUDirect Storage is tried; a path must name a file (a bare library name is
     // left to the dynamic loader's search).
     let library = |v: &str| (!v.contains('/') || Path::new(v).is_file()).then_some(());

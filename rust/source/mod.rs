@@ -13,9 +13,11 @@
 //!   tensors point straight at the page cache until written to).
 //!
 //! [`ReaderKind::Auto`] picks per file: mmap when the file's pages are already resident,
-//! direct otherwise. A remote object is always read (with parallel ranged GETs, [`remote`]).
+//! direct otherwise. A remote object is always read (with parallel ranged GETs, [`remote`]),
+//! unless the opt-in [`cache`] holds a whole copy of the version the store has now.
 
 pub mod budget;
+pub mod cache;
 pub mod direct;
 pub mod mmap;
 pub mod remote;
@@ -294,7 +296,15 @@ pub trait Source: Send + Sync {
 pub fn open(path: &Path) -> Result<Arc<dyn Source>> {
     if remote::is_url(path) {
         let url = path.to_str().expect("a URL is UTF-8");
-        return Ok(Arc::new(remote::RemoteObject::open(url)?));
+        let mut object = remote::RemoteObject::open(url)?;
+        if let Some(dir) = cache::dir_from_env()? {
+            // The version just read decides: its entry if it is there, else one is written.
+            if let Some(hit) = cache::lookup(&dir, url, object.identity()) {
+                return Ok(Arc::new(hit));
+            }
+            object.cache_into(&dir);
+        }
+        return Ok(Arc::new(object));
     }
     Ok(Arc::new(LocalFile::open(path)?))
 }

@@ -27,6 +27,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
+use bytes::Bytes;
 use futures::stream::{self, StreamExt, TryStreamExt};
 use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
@@ -38,6 +39,7 @@ use tokio::runtime::Runtime;
 use tokio::sync::Semaphore;
 use url::Url;
 
+use super::cache::CacheWriter;
 use super::{Capabilities, Identity, LocalFile, Source};
 use crate::error::{Error, Result};
 use crate::format::{self, Header};
@@ -252,8 +254,10 @@ pub struct RemoteObject {
     at: Location,
     identity: Identity,
     /// The object's first bytes, fetched when it was opened (its header, usually).
-    prefix: Vec<u8>,
+    prefix: Bytes,
     settings: RemoteSettings,
+    /// Where the bytes read are copied for the next load, if the cache is on.
+    cache: Option<CacheWriter>,
 }
 
 impl RemoteObject {
@@ -274,9 +278,18 @@ impl RemoteObject {
             let meta = got.meta.clone();
             let bytes = got.bytes().await.map_err(|e| remote_error(&at.url, e))?;
             let identity = Identity::Object { len: meta.size, e_tag: meta.e_tag, version: meta.version };
-            Ok((identity, bytes.to_vec()))
+            Ok((identity, bytes))
         })?;
-        Ok(RemoteObject { path: PathBuf::from(url), at, identity, prefix, settings })
+        Ok(RemoteObject { path: PathBuf::from(url), at, identity, prefix, settings, cache: None })
+    }
+
+    /// From now on, the bytes read are also written to the object's entry in the cache at
+    /// `dir` (see [`super::cache`]), from the first ones, fetched already.
+    pub fn cache_into(&mut self, dir: &Path) {
+        self.cache = CacheWriter::start(dir, self.path.to_str().unwrap_or_default(), &self.identity);
+        if let Some(cache) = &self.cache {
+            cache.write(0, self.prefix.clone());
+        }
     }
 
     /// The URL as errors show it.
@@ -315,6 +328,9 @@ impl RemoteObject {
                 });
             };
             to.copy_from_slice(&chunk);
+            if let Some(cache) = &self.cache {
+                cache.write(start + done as u64, chunk.clone());
+            }
             done += chunk.len();
         }
         if done < dst.len() {

@@ -405,3 +405,80 @@ def test_malformed_remote_settings_are_named(s3_env, monkeypatch):
     monkeypatch.setenv("FASTSAFETENSORS_REMOTE_PART_SIZE", "tiny")
     with pytest.raises(RuntimeError, match=r"^FASTSAFETENSORS_REMOTE_PART_SIZE='tiny' is not valid"):
         fst.load_file(f"s3://{BUCKET}/single/all.safetensors")
+
+
+# ------------------------------------------------------------------------------ cache
+def _entries(cache: Path, timeout: float = 20.0, want: int | None = None) -> list[Path]:
+    """The complete entries of the cache, once the writer threads are done (no partial file
+    left) and, with `want`, once there are that many."""
+    deadline = time.monotonic() + timeout
+    while True:
+        files = sorted(cache.iterdir()) if cache.exists() else []
+        done = [f for f in files if f.name.endswith(".safetensors")]
+        if not any(".partial." in f.name for f in files) and (want is None or len(done) == want):
+            return done
+        assert time.monotonic() < deadline, files
+        time.sleep(0.05)
+
+
+def test_the_cache_makes_the_next_load_local(http_server, local_models, tmp_path, monkeypatch):
+    from fastsafetensors_rs._ops import ops
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FASTSAFETENSORS_CACHE_DIR", str(cache))
+    url = f"{http_server.url}/big/model.safetensors"
+    ref = reference(local_models / "big" / "model.safetensors")
+    U.assert_same_dict(fst.load_file(url), ref)
+    [entry] = _entries(cache, want=1)
+    assert entry.read_bytes() == (local_models / "big" / "model.safetensors").read_bytes()
+    http_server.reset()
+    tensors, read_paths = ops.load_with_report([url], "cpu", None, None, None)
+    U.assert_same_dict(dict(tensors), ref)
+    assert read_paths[0] != "remote", read_paths
+    # Only the GET that asks for the object's version (with its header) went to the server.
+    assert len(http_server.requests) == 1 and http_server.sent <= 1 << 20, http_server.requests
+    # safe_open and streams read the entry too.
+    with fst.safe_open(url, framework="pt") as f:
+        U.assert_same_tensor(f.get_tensor("b"), ref["b"])
+    U.assert_same_dict({n: t.clone() for n, t in fst.stream(url, max_memory="4M")}, ref)
+    assert len(http_server.requests) == 3
+
+
+def test_a_stale_cache_entry_is_never_read(http_server, local_models, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FASTSAFETENSORS_CACHE_DIR", str(cache))
+    target = local_models / "single" / "cached.safetensors"
+    U.write_checkpoint(target, {"x": torch.arange(10_000, dtype=torch.float32)})
+    url = f"{http_server.url}/single/cached.safetensors"
+    U.assert_same_dict(fst.load_file(url), reference(target))
+    [old] = _entries(cache, want=1)
+    # The object replaced (same size, other bytes, a new ETag): the old entry is not read,
+    # and goes once the new one is complete.
+    U.write_checkpoint(target.with_suffix(".tmp"), {"x": torch.arange(10_000, dtype=torch.float32) + 1})
+    target.with_suffix(".tmp").replace(target)
+    U.assert_same_dict(fst.load_file(url), reference(target))
+    [new] = _entries(cache, want=1)
+    assert new != old and not old.exists()
+    assert new.read_bytes() == target.read_bytes()
+    target.unlink()
+
+
+def test_a_partial_read_leaves_no_entry_and_a_partial_entry_is_never_read(http_server, local_models, tmp_path,
+                                                                           monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FASTSAFETENSORS_CACHE_DIR", str(cache))
+    url = f"{http_server.url}/flat/a.safetensors"
+    ref = reference(local_models / "flat" / "a.safetensors")
+    name = sorted(ref)[0]
+    U.assert_same_dict(fst.load_file(url, tensor_filter=[name]), {name: ref[name]})
+    assert _entries(cache) == []
+    # A whole load makes the entry; cut short (as a crash or a full disk leaves it), it is
+    # not taken for the object: the next load reads the server.
+    U.assert_same_dict(fst.load_file(url), ref)
+    [entry] = _entries(cache, want=1)
+    entry.write_bytes(entry.read_bytes()[:-100])
+    http_server.reset()
+    U.assert_same_dict(fst.load_file(url), ref)
+    assert http_server.sent >= (local_models / "flat" / "a.safetensors").stat().st_size
+    [entry] = _entries(cache, want=1)
+    assert entry.read_bytes() == (local_models / "flat" / "a.safetensors").read_bytes()

@@ -163,6 +163,7 @@ CORE_SETTINGS = {
     ("FASTSAFETENSORS_REMOTE_CONCURRENCY", "0"): "a whole number from 1 to 1024",
     ("FASTSAFETENSORS_REMOTE_TIMEOUT", "forever"): "a whole number of seconds from 1 to 3600",
     ("FASTSAFETENSORS_REMOTE_RETRIES", "-1"): "a whole number from 0 to 100",
+    ("FASTSAFETENSORS_CACHE_DIR", "/dev/null/cache"): "a directory that exists or can be created",
     ("FASTSAFETENSORS_MAX_MEMORY", "1.5G"): "bytes with an optional K/M/G/T suffix (e.g. 64G), or 'unlimited'",
     ("FASTSAFETENSORS_CUFILE", "/no/such/libcufile.so.0"): "the path of an existing cuFile library (libcufile.so.0)",
 }
