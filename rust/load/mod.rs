@@ -64,8 +64,7 @@ pub fn plan_files(paths: &[PathBuf]) -> Result<Planned> {
     if let Some(twice) = paths.iter().find(|p| !seen.insert(*p)) {
         return Err(Error::FileGivenTwice { path: twice.clone() });
     }
-    let sources = paths.iter().map(|p| source::open(p)).collect::<Result<Vec<_>>>()?;
-    plan_sources(sources)
+    plan_sources(source::open_all(paths)?)
 }
 
 /// Validates every source's header and the names across them.

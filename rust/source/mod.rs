@@ -31,6 +31,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::SystemTime;
 
 use memmap2::MmapMut;
+use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::format::{self, Header};
@@ -307,6 +308,17 @@ pub fn open(path: &Path) -> Result<Arc<dyn Source>> {
         return Ok(Arc::new(object));
     }
     Ok(Arc::new(LocalFile::open(path)?))
+}
+
+/// Opens every path, the URLs among them in parallel (each open is a round trip to the
+/// store: a checkpoint of 30 shards would wait for 30 in turn). The error is the first in
+/// `paths` order, as opening them one by one would give.
+pub fn open_all(paths: &[PathBuf]) -> Result<Vec<Arc<dyn Source>>> {
+    if !paths.iter().any(|p| remote::is_url(p)) {
+        return paths.iter().map(|p| open(p)).collect();
+    }
+    let opened: Vec<Result<Arc<dyn Source>>> = io_pool().install(|| paths.par_iter().map(|p| open(p)).collect());
+    opened.into_iter().collect()
 }
 
 /// Decides how to bring `src` into host memory: the reader `kind` asks for, or for `Auto`, a
