@@ -10,6 +10,7 @@ SOURCES := $(shell find rust csrc python/fastsafetensors_rs build_backend \
            Cargo.toml Cargo.lock setup.py pyproject.toml MANIFEST.in README.md LICENSE
 
 .PHONY: all venv build dev demo test test-rust test-python test-install bench gpu-check clean tf4 cpp-example
+.PHONY: garage test-remote bench-remote
 .PHONY: fuzz sanitize sanitize-rust sanitize-cpp test-vllm
 
 all: build
@@ -76,8 +77,24 @@ test-rust:
 	cargo test --locked
 
 # The suite imports the installed wheel: conftest.py refuses a package imported from python/.
-test-python: build tf4
-	FASTSAFETENSORS_TEST_INSTALLED=1 $(PY) -m pytest tests/python -q
+# tests/python/test_remote.py runs against Garage (below), built first if missing.
+test-python: build tf4 garage
+	FST_GARAGE=$(abspath $(GARAGE)) FASTSAFETENSORS_TEST_INSTALLED=1 $(PY) -m pytest tests/python -q
+
+# Only the remote-source tests (S3 through Garage, HTTP ranges, faults).
+test-remote: build garage
+	FST_GARAGE=$(abspath $(GARAGE)) FASTSAFETENSORS_TEST_INSTALLED=1 $(PY) -m pytest tests/python/test_remote.py -q
+
+# Garage, the S3 server the remote-source tests start on 127.0.0.1: a test dependency built
+# from crates.io into build/garage (about 7 minutes on 2 cores, once), never linked or shipped.
+GARAGE_VERSION := 2.5.0
+GARAGE := build/garage/bin/garage
+$(GARAGE):
+	@command -v cargo >/dev/null || { echo "cargo is required: install Rust (https://rustup.rs)"; exit 1; }
+	cargo install garage@$(GARAGE_VERSION) --locked --no-default-features --features bundled-libs,sqlite \
+		--root build/garage
+
+garage: $(GARAGE)
 
 # ---------------------------------------------------------------- install paths, torch range
 # The project installed as users install it, each checked from outside the source tree
@@ -111,8 +128,14 @@ $(CPP_EXAMPLE): examples/cpp/load.cpp | $(INSTALLED)
 
 cpp-example: $(CPP_EXAMPLE)
 
-bench: build
+# Local files (bench/bench.py), then the same kind of checkpoint from a local S3 server
+# (bench/remote.py: Garage on 127.0.0.1, beside parallel curl ranged GETs).
+bench: build garage
 	$(PY) bench/bench.py $(BENCH_ARGS)
+	FST_GARAGE=$(abspath $(GARAGE)) $(PY) bench/remote.py $(BENCH_REMOTE_ARGS)
+
+bench-remote: build garage
+	FST_GARAGE=$(abspath $(GARAGE)) $(PY) bench/remote.py $(BENCH_REMOTE_ARGS)
 
 # On a machine with a GPU: every CUDA check in one table (tests/gpu/gpu_check.py lists them),
 # then throughput; under 10 minutes on one GPU. It needs only torch, safetensors and the built

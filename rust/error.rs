@@ -82,6 +82,24 @@ pub enum Error {
     /// A tensor torch has no way to hold.
     #[error("{}: tensor '{name}': {why}", .path.display())]
     Unrepresentable { path: PathBuf, name: String, why: String },
+    /// A URL that names no object this loader can read.
+    #[error("{url}: not a URL this loader reads: {reason}")]
+    InvalidUrl { url: String, reason: String },
+    /// The object, or its bucket, is not there (HTTP 404).
+    #[error("{url}: no such {what} (HTTP 404): check the URL, and that the object was uploaded")]
+    RemoteNotFound { url: String, what: &'static str },
+    /// The store refused the credentials, or they do not allow reading the object (HTTP 401/403).
+    #[error("{url}: access denied ({code}): check the credentials the environment gives (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, GOOGLE_APPLICATION_CREDENTIALS, AZURE_STORAGE_ACCOUNT_KEY, ...) and that they may read this object")]
+    RemoteDenied { url: String, code: String },
+    /// No credentials were found for the store.
+    #[error("{url}: no credentials found: set them in the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, GOOGLE_APPLICATION_CREDENTIALS, AZURE_STORAGE_ACCOUNT_KEY, ...), or AWS_SKIP_SIGNATURE=true for a public bucket")]
+    RemoteNoCredentials { url: String },
+    /// The object was replaced after its header was read: its bytes would mix two versions.
+    #[error("{url}: the object changed while it was being loaded (it is no longer the version whose header was read); load it again once it is complete")]
+    RemoteChanged { url: String },
+    /// A request for an object failed after its retries (unreachable host, timeout, server error).
+    #[error("{url}: {detail} (FASTSAFETENSORS_REMOTE_RETRIES and FASTSAFETENSORS_REMOTE_TIMEOUT set how long a request is retried)")]
+    Remote { url: String, detail: String },
     /// A panic inside the loader, caught before it could cross the FFI boundary. Always a bug.
     #[error("internal error (please report): {0}")]
     Panic(String),

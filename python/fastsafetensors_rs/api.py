@@ -117,6 +117,19 @@ def check_settings() -> None:
     progress_from_env()
 
 
+# URL schemes the loader reads (as the core's source::remote::is_url knows them).
+URL_SCHEMES = ("s3", "s3a", "gs", "az", "adl", "azure", "abfs", "abfss", "http", "https")
+
+
+def is_url(path: PathLike) -> bool:
+    """Whether `path` is an object URL (`s3://`, `gs://`, `az://`, `http(s)://`) rather than a
+    local path."""
+    if not isinstance(path, str):
+        return False
+    scheme, sep, _ = path.partition("://")
+    return bool(sep) and scheme in URL_SCHEMES
+
+
 def _path(path: PathLike) -> str:
     """One path argument as the ops take it: a str (bytes and os.PathLike decoded as
     `os.fsdecode` does), which must be UTF-8: ValueError naming any other, in one line."""

@@ -9,6 +9,8 @@ a model loader for `--load-format fastsafetensors_rs` with
     vllm serve path/to/model --load-format fastsafetensors_rs
     vllm serve path/to/model --load-format fastsafetensors_rs \\
         --model-loader-extra-config '{"reader": "direct", "prefetch": 1}'
+    vllm serve path/to/model-config --load-format fastsafetensors_rs \\
+        --model-loader-extra-config '{"weights": "s3://bucket/model/"}'
 
 The loader is vLLM's `DefaultModelLoader` (file discovery and downloads, index filtering,
 subfolders, allow-pattern overrides, the shard filters of `--mm-encoder-only`, of
@@ -62,6 +64,8 @@ OPTIONS: Dict[str, str] = {
     "max_memory": "the memory the stream's buffers may hold, e.g. '1G' (default: $FASTSAFETENSORS_MAX_MEMORY, else 1 GiB)",
     "share": "the ranks that read the checkpoint together, each byte once: 'tp' (default: the tensor-parallel "
              "group), 'world' (every rank of the engine), 'none' (each rank reads everything)",
+    "weights": "where the weights are read from instead of the model's own files: a bucket prefix or index URL "
+               "(s3://bucket/model/, https://host/model.safetensors.index.json) or a local directory",
 }
 SHARE = ("tp", "world", "none")
 
@@ -92,7 +96,20 @@ def parse_options(extra: Dict[str, Any]) -> Dict[str, Any]:
     max_memory = opts.get("max_memory")
     if max_memory is not None and (isinstance(max_memory, bool) or not isinstance(max_memory, (int, str))):
         raise bad("max_memory", "a size such as '1G' or a number of bytes")
+    weights = opts.get("weights")
+    if weights is not None and (not isinstance(weights, str) or not weights):
+        raise bad("weights", "a URL or a path")
     return opts
+
+
+def weights_files(weights: str) -> List[str]:
+    """The files `weights` (the `weights` option: a URL prefix, an index URL, a directory)
+    stands for, resolved as `fastsafetensors_rs.load` resolves it; problems of its index
+    (shards missing) raise, naming it."""
+    files, _index, problems = ops.checkpoint(weights)
+    if problems:
+        raise RuntimeError(problems[0])
+    return list(files)
 
 
 def _default_device(load_config: Any) -> torch.device:
@@ -184,6 +201,11 @@ def make_loader_class(default_loader: type, weight_utils: Any) -> type:
             finally:
                 self.load_config.load_format = saved
 
+        def download_model(self, model_config: Any) -> None:
+            if self.fastsafetensors_options.get("weights"):
+                return  # read from where the option says, at load: nothing to download
+            super().download_model(model_config)
+
         def _prepare_weights(self, *args: Any, **kwargs: Any):
             # File discovery, downloads and index filtering as for load format "safetensors".
             with self._load_format("safetensors"):
@@ -197,20 +219,25 @@ def make_loader_class(default_loader: type, weight_utils: Any) -> type:
                 with self._load_format("safetensors"):
                     return super()._get_weights_iterator(source)
 
-            kwargs: Dict[str, Any] = {}
-            if hasattr(source, "subfolder"):
-                kwargs["subfolder"] = source.subfolder
-            prepared = self._prepare_weights(
-                model_name_or_path=source.model_or_path,
-                revision=source.revision,
-                fall_back_to_pt=source.fall_back_to_pt,
-                allow_patterns_overrides=source.allow_patterns_overrides,
-                **kwargs,
-            )
-            # vLLM 0.31+ returns (folder, files, use_safetensors, index_file); before, 3 values.
-            hf_folder, files = prepared[0], list(prepared[1])
-            index_file = prepared[3] if len(prepared) > 3 else "model.safetensors.index.json"
-            files = self._filtered(source, files, hf_folder, index_file)
+            opts = self.fastsafetensors_options
+            if opts.get("weights"):
+                # Weights elsewhere (a bucket): the model's folder gives only its config.
+                files = weights_files(opts["weights"])
+            else:
+                kwargs: Dict[str, Any] = {}
+                if hasattr(source, "subfolder"):
+                    kwargs["subfolder"] = source.subfolder
+                prepared = self._prepare_weights(
+                    model_name_or_path=source.model_or_path,
+                    revision=source.revision,
+                    fall_back_to_pt=source.fall_back_to_pt,
+                    allow_patterns_overrides=source.allow_patterns_overrides,
+                    **kwargs,
+                )
+                # vLLM 0.31+ returns (folder, files, use_safetensors, index_file); before, 3 values.
+                hf_folder, files = prepared[0], list(prepared[1])
+                index_file = prepared[3] if len(prepared) > 3 else "model.safetensors.index.json"
+                files = self._filtered(source, files, hf_folder, index_file)
 
             local_experts: Optional[Set[int]] = getattr(self, "local_expert_ids", None)
             skip: Optional[Callable[[str], bool]] = None
@@ -219,7 +246,6 @@ def make_loader_class(default_loader: type, weight_utils: Any) -> type:
                 files, dropped = _without_other_experts(files, skip)
                 logger.debug("expert parallelism: %d file(s) of other ranks' experts not read", dropped)
 
-            opts = self.fastsafetensors_options
             # Other ranks' experts are not read at all: the selection is made from the headers.
             keep = None if skip is None else functools.partial(_is_kept, skip)
             device = torch.device(opts.get("device") or _default_device(self.load_config))

@@ -12,6 +12,9 @@
 //! - A file whose name ends in `.json`: a checkpoint index (`{"weight_map": {tensor: shard}}`,
 //!   shard paths relative to the index's directory); the shards it lists, in name order.
 //! - Anything else: itself, a `.safetensors` file.
+//! - A URL (`s3://`, `gs://`, `az://`, `http(s)://`): an index if it ends in `.json`, a file if
+//!   it ends in `.safetensors`, else a prefix, which stands for the objects directly under it
+//!   as a directory does for its files (HTTP servers cannot be listed: give the index).
 //!
 //! The shards of an index are checked against it: every shard it lists exists
 //! ([`Checkpoint::check_files`], before anything is opened), and once the headers are read,
@@ -34,7 +37,7 @@ use serde::Deserialize;
 
 use crate::error::{Error, Problem, Result};
 use crate::plan::Placement;
-use crate::source::Source;
+use crate::source::{self, remote};
 
 /// How the name of a checkpoint index ends in a directory.
 pub const INDEX_SUFFIX: &str = ".safetensors.index.json";
@@ -74,6 +77,9 @@ impl Checkpoint {
     /// and the index, no safetensors file. A path that does not exist stands for itself, so
     /// that opening it reports it.
     pub fn resolve(path: &Path) -> Result<Checkpoint> {
+        if remote::is_url(path) {
+            return Checkpoint::resolve_url(path);
+        }
         if std::fs::metadata(path).is_ok_and(|m| m.is_dir()) {
             return Checkpoint::from_directory(path);
         }
@@ -83,9 +89,29 @@ impl Checkpoint {
         Ok(Checkpoint { path: path.to_owned(), files: vec![path.to_owned()], index: None })
     }
 
+    /// A URL: an index (`.json`), a file (`.safetensors`), or else a prefix, listed as a
+    /// directory is (objects directly under it; names starting with `.` skipped).
+    fn resolve_url(url: &Path) -> Result<Checkpoint> {
+        let text = url.to_str().expect("a URL is UTF-8");
+        let name = text.split(['?', '#']).next().unwrap_or(text).trim_end_matches('/');
+        if name.ends_with(".json") {
+            return Checkpoint::from_index(url, url);
+        }
+        if name.ends_with(FILE_SUFFIX) {
+            return Ok(Checkpoint { path: url.to_owned(), files: vec![url.to_owned()], index: None });
+        }
+        let entries = remote::list(text)?
+            .into_iter()
+            .filter_map(|u| {
+                let name = u.rsplit('/').next().unwrap_or(&u).to_owned();
+                (!name.starts_with('.')).then(|| (name, PathBuf::from(u)))
+            })
+            .collect();
+        Checkpoint::from_entries(url, entries)
+    }
+
     fn from_directory(dir: &Path) -> Result<Checkpoint> {
-        let mut indexes = Vec::new();
-        let mut files = Vec::new();
+        let mut listed = Vec::new();
         let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, "read directory", e))?;
         for entry in entries {
             let entry = entry.map_err(|e| Error::io(dir, "read directory", e))?;
@@ -104,6 +130,16 @@ impl Checkpoint {
             if std::fs::metadata(&path).is_ok_and(|m| m.is_dir()) {
                 continue;
             }
+            listed.push((name, path));
+        }
+        Checkpoint::from_entries(dir, listed)
+    }
+
+    /// The checkpoint of a directory (or prefix) holding `listed` (name, path) entries.
+    fn from_entries(dir: &Path, listed: Vec<(String, PathBuf)>) -> Result<Checkpoint> {
+        let mut indexes = Vec::new();
+        let mut files = Vec::new();
+        for (name, path) in listed {
             if name.ends_with(INDEX_SUFFIX) {
                 indexes.push((name, path));
             } else if name.ends_with(FILE_SUFFIX) {
@@ -126,11 +162,17 @@ impl Checkpoint {
 
     fn from_index(given: &Path, index_path: &Path) -> Result<Checkpoint> {
         let invalid = |reason: String| Error::InvalidIndex { path: index_path.to_owned(), reason };
-        let len = std::fs::metadata(index_path).map_err(|e| Error::io(index_path, "open", e))?.len();
-        if len > MAX_INDEX_LEN {
-            return Err(invalid(format!("it is {len} bytes, more than an index can be")));
-        }
-        let text = std::fs::read(index_path).map_err(|e| Error::io(index_path, "read", e))?;
+        let url = index_path.to_str().filter(|_| remote::is_url(index_path));
+        let text = match url {
+            Some(url) => remote::read_small(url)?,
+            None => {
+                let len = std::fs::metadata(index_path).map_err(|e| Error::io(index_path, "open", e))?.len();
+                if len > MAX_INDEX_LEN {
+                    return Err(invalid(format!("it is {len} bytes, more than an index can be")));
+                }
+                std::fs::read(index_path).map_err(|e| Error::io(index_path, "read", e))?
+            }
+        };
         let raw: RawIndex = serde_json::from_slice(&text).map_err(|e| {
             invalid(format!(
                 "{e} (a load takes .safetensors files, their directory, or the *{INDEX_SUFFIX} that lists them)"
@@ -144,8 +186,13 @@ impl Checkpoint {
         {
             return Err(invalid(format!("shard path '{bad}' does not stay inside the index's directory")));
         }
-        let folder = index_path.parent().unwrap_or(Path::new(""));
-        let files = shards.iter().map(|s| folder.join(s)).collect();
+        let files = match url {
+            Some(url) => shards.iter().map(|s| PathBuf::from(remote::sibling(url, s))).collect(),
+            None => {
+                let folder = index_path.parent().unwrap_or(Path::new(""));
+                shards.iter().map(|s| folder.join(s)).collect()
+            }
+        };
         let shards = shards.into_iter().cloned().collect();
         Ok(Checkpoint {
             path: given.to_owned(),
@@ -162,6 +209,15 @@ impl Checkpoint {
     /// The shards the index lists that are not regular files.
     pub fn missing_files(&self) -> Vec<Problem> {
         let Some(index) = &self.index else { return Vec::new() };
+        if remote::is_url(&index.path) {
+            let urls: Vec<String> = self.files.iter().map(|f| f.to_string_lossy().into_owned()).collect();
+            return index
+                .shards
+                .iter()
+                .zip(remote::missing(&urls))
+                .filter_map(|(shard, why)| Some(Problem::MissingShard { shard: shard.clone(), reason: why? }))
+                .collect();
+        }
         index
             .shards
             .iter()
@@ -231,8 +287,7 @@ impl Checkpoint {
     /// Every problem of the checkpoint, reading the headers of its files (for reports; a
     /// file that cannot be read is left to the caller to report).
     pub fn survey(&self) -> Vec<Problem> {
-        let headers: Vec<_> =
-            self.files.iter().map(|f| crate::source::LocalFile::open(f).and_then(|s| s.header()).ok()).collect();
+        let headers: Vec<_> = self.files.iter().map(|f| source::open(f).and_then(|s| s.header()).ok()).collect();
         let names: Vec<Option<Vec<&str>>> =
             headers.iter().map(|h| h.as_ref().map(|h| h.tensors.iter().map(|t| t.name.as_str()).collect())).collect();
         let mut problems = self.missing_files();

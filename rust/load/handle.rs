@@ -30,7 +30,7 @@ use crate::error::{Error, Result};
 use crate::format::Header;
 use crate::load::{checkpoint, Planned};
 use crate::plan::{self, Placement};
-use crate::source::{LocalFile, Source};
+use crate::source::{self, Source};
 
 /// Files opened together, with their headers and where each tensor is.
 pub struct OpenFiles {
@@ -50,7 +50,7 @@ impl OpenFiles {
         let mut sources: Vec<Arc<dyn Source>> = Vec::with_capacity(paths.len());
         for path in paths {
             checkpoint::check_single_file(path)?;
-            sources.push(Arc::new(LocalFile::open(path)?));
+            sources.push(source::open(path)?);
         }
         Self::from_sources(sources)
     }

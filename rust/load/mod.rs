@@ -34,7 +34,7 @@ use crate::plan::select::Selection;
 use crate::plan::{self, Extent, ExtentPolicy, Placement, IO_ALIGN};
 use crate::settings;
 use crate::source::direct::{self, BlockReader};
-use crate::source::{self, budget, HostBuffer, HostRead, LocalFile, ReadPath, ReaderKind, Source};
+use crate::source::{self, budget, HostBuffer, HostRead, ReadPath, ReaderKind, Source};
 
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
@@ -65,9 +65,7 @@ pub fn plan_files(paths: &[PathBuf]) -> Result<Planned> {
     if let Some(twice) = paths.iter().find(|p| !seen.insert(*p)) {
         return Err(Error::FileGivenTwice { path: twice.clone() });
     }
-    let sources =
-        paths.iter().map(|p| Ok(Arc::new(LocalFile::open(p)?) as Arc<dyn Source>)).collect::<Result<Vec<_>>>()?;
-    plan_sources(sources)
+    plan_sources(source::open_all(paths)?)
 }
 
 /// Validates every source's header and the names across them.
@@ -80,7 +78,7 @@ pub fn plan_sources(sources: Vec<Arc<dyn Source>>) -> Result<Planned> {
 
 /// Reads and validates one file's header without touching its data.
 pub fn read_header(path: &Path) -> Result<Header> {
-    LocalFile::open(path)?.header()
+    source::open(path)?.header()
 }
 
 /// The selected tensors of a set of files, in host memory: one reference-counted buffer per
@@ -343,6 +341,8 @@ pub fn check_env() -> Result<()> {
     source::io_threads()?;
     budget::limit_from_env()?;
     budget::stream_limit_from_env()?;
+    source::remote::RemoteSettings::from_env()?;
+    source::cache::dir_from_env()?;
     // Read when GPUDirect Storage is tried; a path must name a file (a bare library name is
     // left to the dynamic loader's search).
     let library = |v: &str| (!v.contains('/') || Path::new(v).is_file()).then_some(());
@@ -387,7 +387,8 @@ pub(crate) fn choose_reads<'a>(
         how.push(if bytes == 0 { HostRead::Map } else { source::choose(&**src, reader)? });
     }
     if keeps_all {
-        map_what_does_not_fit(&mut how, &wanted, reader)?;
+        let mappable: Vec<bool> = sources.iter().map(|s| s.local().is_some() && s.capabilities().mmap).collect();
+        map_what_does_not_fit(&mut how, &wanted, &mappable, reader)?;
     }
     Ok(how)
 }
@@ -396,7 +397,8 @@ pub(crate) fn choose_reads<'a>(
 /// are mapped instead, from the last, until the rest fit: a mapping is page cache the kernel
 /// can reclaim, so a load larger than memory still succeeds, as it does with safetensors.
 /// An explicit `direct` reader is not overridden: it fails with a clear error instead.
-fn map_what_does_not_fit(how: &mut [HostRead], wanted: &[u64], reader: ReaderKind) -> Result<()> {
+/// Only local files can be mapped (`mappable`): a remote object is always read.
+fn map_what_does_not_fit(how: &mut [HostRead], wanted: &[u64], mappable: &[bool], reader: ReaderKind) -> Result<()> {
     let mut owned: u64 = (0..how.len()).filter(|&i| how[i] == HostRead::Direct).map(|i| wanted[i]).sum();
     if reader != ReaderKind::Auto {
         return budget::check(owned);
@@ -406,7 +408,7 @@ fn map_what_does_not_fit(how: &mut [HostRead], wanted: &[u64], reader: ReaderKin
         if owned <= limit {
             break;
         }
-        if how[i] == HostRead::Direct {
+        if how[i] == HostRead::Direct && mappable[i] {
             how[i] = HostRead::MapOverLimit;
             owned -= wanted[i];
         }

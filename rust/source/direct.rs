@@ -12,7 +12,7 @@ use std::sync::Arc;
 use memmap2::MmapMut;
 use rayon::prelude::*;
 
-use super::{alloc, io_pool, HostBuffer, LocalFile, ReadPath, Source};
+use super::{alloc, io_pool, HostBuffer, Identity, LocalFile, ReadPath, Source};
 use crate::error::{Error, Result};
 use crate::plan::{self, Extent, ReadBlock, IO_ALIGN};
 
@@ -20,8 +20,14 @@ use crate::plan::{self, Extent, ReadBlock, IO_ALIGN};
 /// request, in parallel on the I/O pool.
 pub fn read_extent(reader: &BlockReader, extent: &Extent, block: u64) -> Result<HostBuffer> {
     let block = plan::io_block(block);
-    let blocks = extent.blocks(reader.src.len(), IO_ALIGN, block);
     let mut map = alloc_for_reads(extent.len, reader.src.path())?;
+    if reader.src.splits_reads() {
+        // One read of the whole extent: the source runs its own parallel requests.
+        let b = ReadBlock { offset: extent.start, len: extent.len, expected: extent.expected };
+        reader.read(&b, &mut map)?;
+        return Ok(HostBuffer::new(map, reader.path()));
+    }
+    let blocks = extent.blocks(reader.src.len(), IO_ALIGN, block);
     io_pool().install(|| {
         blocks.par_iter().zip(map.par_chunks_mut(block as usize)).try_for_each(|(b, dst)| reader.read(b, dst))
     })?;
@@ -77,6 +83,9 @@ impl BlockReader {
 
     /// How the blocks were read (after the reads).
     pub fn path(&self) -> ReadPath {
+        if matches!(self.src.identity(), Identity::Object { .. }) {
+            return ReadPath::Remote;
+        }
         if self.direct.is_some() && !self.fell_back.load(Ordering::Relaxed) {
             ReadPath::Direct
         } else {

@@ -1,6 +1,7 @@
 //! Where bytes come from, and reading them into host memory.
 //!
-//! A [`Source`] is one checkpoint file wherever it lives; [`LocalFile`] is the one kind today.
+//! A [`Source`] is one checkpoint file wherever it lives: a [`LocalFile`], or an object in a
+//! store or behind an HTTP URL ([`remote::RemoteObject`]); [`open`] picks by the path.
 //! The unit of reading is an [`Extent`]: an aligned byte range of one file (the whole file for
 //! a plain load) that becomes one [`HostBuffer`], so a tensor's address is
 //! `buffer + (file offset - extent start)`. Two ways to fill it:
@@ -12,21 +13,25 @@
 //!   tensors point straight at the page cache until written to).
 //!
 //! [`ReaderKind::Auto`] picks per file: mmap when the file's pages are already resident,
-//! direct otherwise.
+//! direct otherwise. A remote object is always read (with parallel ranged GETs, [`remote`]),
+//! unless the opt-in [`cache`] holds a whole copy of the version the store has now.
 
 pub mod budget;
+pub mod cache;
 pub mod direct;
 pub mod mmap;
+pub mod remote;
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::SystemTime;
 
 use memmap2::MmapMut;
+use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::format::{self, Header};
@@ -106,6 +111,8 @@ pub enum ReadPath {
     /// cuFile in compatibility mode: it emulates GPUDirect Storage with reads through host
     /// memory (the nvidia-fs driver is not loaded, or cuFile is told so).
     GdsCompat,
+    /// Ranged GETs of an object in a store, or of an HTTP URL.
+    Remote,
     /// Nothing: no tensor of the file was selected.
     NotRead,
 }
@@ -119,6 +126,7 @@ impl ReadPath {
             ReadPath::MmapFallback => "mmap-fallback",
             ReadPath::Gds => "gds",
             ReadPath::GdsCompat => "gds-compat",
+            ReadPath::Remote => "remote",
             ReadPath::NotRead => "none",
         }
     }
@@ -196,13 +204,16 @@ pub enum HostRead {
 pub enum Identity {
     /// A local file: its size and modification time.
     File { len: u64, modified: Option<SystemTime> },
+    /// An object in a store: its size, and its ETag and version id (or generation) where the
+    /// store gives them.
+    Object { len: u64, e_tag: Option<String>, version: Option<String> },
 }
 
 impl Identity {
     #[allow(clippy::len_without_is_empty)] // a size, not a collection
     pub fn len(&self) -> u64 {
         match self {
-            Identity::File { len, .. } => *len,
+            Identity::File { len, .. } | Identity::Object { len, .. } => *len,
         }
     }
 }
@@ -235,6 +246,12 @@ pub trait Source: Send + Sync {
     fn capabilities(&self) -> Capabilities;
     /// The local file behind the source, if there is one.
     fn local(&self) -> Option<&LocalFile>;
+
+    /// Whether the source splits a read into parallel requests itself (a remote object): it is
+    /// then given whole extents rather than blocks spread over the I/O pool.
+    fn splits_reads(&self) -> bool {
+        false
+    }
 
     /// Bytes in the source (as opened).
     fn len(&self) -> u64 {
@@ -273,6 +290,35 @@ pub trait Source: Send + Sync {
         }
         format::parse_header(&json, self.len()).map_err(format_err)
     }
+}
+
+/// Opens what `path` names: an object for a URL (`s3://`, `gs://`, `az://`, `http(s)://`),
+/// else a local file.
+pub fn open(path: &Path) -> Result<Arc<dyn Source>> {
+    if remote::is_url(path) {
+        let url = path.to_str().expect("a URL is UTF-8");
+        let mut object = remote::RemoteObject::open(url)?;
+        if let Some(dir) = cache::dir_from_env()? {
+            // The version just read decides: its entry if it is there, else one is written.
+            if let Some(hit) = cache::lookup(&dir, url, object.identity()) {
+                return Ok(Arc::new(hit));
+            }
+            object.cache_into(&dir);
+        }
+        return Ok(Arc::new(object));
+    }
+    Ok(Arc::new(LocalFile::open(path)?))
+}
+
+/// Opens every path, the URLs among them in parallel (each open is a round trip to the
+/// store: a checkpoint of 30 shards would wait for 30 in turn). The error is the first in
+/// `paths` order, as opening them one by one would give.
+pub fn open_all(paths: &[PathBuf]) -> Result<Vec<Arc<dyn Source>>> {
+    if !paths.iter().any(|p| remote::is_url(p)) {
+        return paths.iter().map(|p| open(p)).collect();
+    }
+    let opened: Vec<Result<Arc<dyn Source>>> = io_pool().install(|| paths.par_iter().map(|p| open(p)).collect());
+    opened.into_iter().collect()
 }
 
 /// Decides how to bring `src` into host memory: the reader `kind` asks for, or for `Auto`, a

@@ -158,6 +158,12 @@ CORE_SETTINGS = {
     ("FASTSAFETENSORS_MAX_HOST_MEMORY", "lots"): "bytes with an optional K/M/G/T suffix (e.g. 64G), or 'unlimited'",
     ("FASTSAFETENSORS_MAX_HOST_MEMORY", "-1"): "bytes with an optional K/M/G/T suffix (e.g. 64G), or 'unlimited'",
     ("FASTSAFETENSORS_MAX_MEMORY", "256 megs"): "bytes with an optional K/M/G/T suffix (e.g. 64G), or 'unlimited'",
+    ("FASTSAFETENSORS_REMOTE_PART_SIZE", "tiny"): "a size from 64K to 1G (e.g. 8M)",
+    ("FASTSAFETENSORS_REMOTE_PART_SIZE", "4K"): "a size from 64K to 1G (e.g. 8M)",
+    ("FASTSAFETENSORS_REMOTE_CONCURRENCY", "0"): "a whole number from 1 to 1024",
+    ("FASTSAFETENSORS_REMOTE_TIMEOUT", "forever"): "a whole number of seconds from 1 to 3600",
+    ("FASTSAFETENSORS_REMOTE_RETRIES", "-1"): "a whole number from 0 to 100",
+    ("FASTSAFETENSORS_CACHE_DIR", "/dev/null/cache"): "a directory that exists or can be created",
     ("FASTSAFETENSORS_MAX_MEMORY", "1.5G"): "bytes with an optional K/M/G/T suffix (e.g. 64G), or 'unlimited'",
     ("FASTSAFETENSORS_CUFILE", "/no/such/libcufile.so.0"): "the path of an existing cuFile library (libcufile.so.0)",
 }

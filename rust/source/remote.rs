@@ -1,0 +1,631 @@
+//! Objects in S3, Google Cloud Storage, Azure Blob Storage or behind an HTTP(S) URL with range
+//! support, read through Apache Arrow's `object_store`.
+//!
+//! A [`RemoteObject`] is opened with one ranged GET of its first [`SPECULATIVE_HEADER`] bytes:
+//! that fixes its size and version (ETag, and the version id or generation where the store has
+//! one) and usually holds the whole header. Every later read is split into parts of
+//! `$FASTSAFETENSORS_REMOTE_PART_SIZE` bytes fetched by parallel ranged GETs (at most
+//! `$FASTSAFETENSORS_REMOTE_CONCURRENCY` in flight in the process), each conditional on that
+//! version: an object replaced mid-load fails the load ([`Error::RemoteChanged`]) instead of
+//! mixing two versions' bytes. The parts land straight in the buffer the caller gives (the
+//! page-aligned host buffers, or the pinned staging slots of a device load).
+//!
+//! Credentials, endpoint and region come from the environment, as the builders' `from_env`
+//! read it (`AWS_ACCESS_KEY_ID`, `AWS_ENDPOINT_URL`, `AWS_REGION`, `AWS_SKIP_SIGNATURE`,
+//! `GOOGLE_SERVICE_ACCOUNT`, `AZURE_STORAGE_ACCOUNT_NAME`, ...). A plain `http://` endpoint is
+//! allowed without `AWS_ALLOW_HTTP`: it is what a local server has. Requests are retried with
+//! backoff on 5xx, throttling and connection errors, within bounded timeouts, so that nothing
+//! hangs. Errors name the URL (its query string left out: it may hold a signature) and never
+//! a credential.
+//!
+//! The requests run on one small multi-threaded tokio runtime owned by this module, built at
+//! the first remote read; callers (the I/O pool's threads) block on it.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::stream::{self, StreamExt, TryStreamExt};
+use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
+use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
+use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
+use object_store::http::HttpBuilder;
+use object_store::path::Path as ObjectPath;
+use object_store::{BackoffConfig, ClientConfigKey, GetOptions, ObjectStore, ObjectStoreScheme, RetryConfig};
+use tokio::runtime::Runtime;
+use tokio::sync::Semaphore;
+use url::Url;
+
+use super::cache::CacheWriter;
+use super::{Capabilities, Identity, LocalFile, Source};
+use crate::error::{Error, Result};
+use crate::format::{self, Header};
+use crate::settings::setting;
+use crate::source::budget::parse_size;
+
+/// Bytes asked for by the first GET of an object: enough for the header of nearly every
+/// checkpoint (a 1,000-tensor header is ~100 KB), so that opening a file costs one request.
+pub const SPECULATIVE_HEADER: u64 = 1 << 20;
+/// Environment variable: bytes per ranged GET.
+pub const PART_SIZE_ENV: &str = "FASTSAFETENSORS_REMOTE_PART_SIZE";
+/// Environment variable: ranged GETs in flight at once, in the whole process.
+pub const CONCURRENCY_ENV: &str = "FASTSAFETENSORS_REMOTE_CONCURRENCY";
+/// Environment variable: seconds one request may take (connecting, and each part's transfer).
+pub const TIMEOUT_ENV: &str = "FASTSAFETENSORS_REMOTE_TIMEOUT";
+/// Environment variable: how many times a failed request is retried.
+pub const RETRIES_ENV: &str = "FASTSAFETENSORS_REMOTE_RETRIES";
+/// 8 MiB parts, 16 at once: what parallel curl needs to saturate a local S3 server (1.1 GB/s
+/// with 4-16 streams of 8 MiB ranges, measured on the development VM).
+const DEFAULT_PART_SIZE: u64 = 8 << 20;
+const DEFAULT_CONCURRENCY: usize = 16;
+const DEFAULT_TIMEOUT_S: u64 = 30;
+const DEFAULT_RETRIES: usize = 10;
+/// Retries of one request stop this long after it was first sent.
+const RETRY_WINDOW: Duration = Duration::from_secs(120);
+/// Largest object read whole (an index): bigger ones are not indexes.
+const MAX_SMALL_OBJECT: u64 = 100_000_000;
+/// URL schemes read through `object_store`.
+const SCHEMES: &[&str] = &["s3", "s3a", "gs", "az", "adl", "azure", "abfs", "abfss", "http", "https"];
+
+/// How remote reads are made, from the environment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteSettings {
+    pub part_size: u64,
+    pub concurrency: usize,
+    pub timeout: Duration,
+    pub retries: usize,
+}
+
+impl RemoteSettings {
+    /// The settings the environment gives, each malformed one an error naming it.
+    pub fn from_env() -> Result<RemoteSettings> {
+        let part = |v: &str| parse_size(v).flatten().filter(|n| (64 << 10..=1 << 30).contains(n));
+        let count = |lo: usize, hi: usize| move |v: &str| v.parse::<usize>().ok().filter(|n| (lo..=hi).contains(n));
+        Ok(RemoteSettings {
+            part_size: setting(PART_SIZE_ENV, "a size from 64K to 1G (e.g. 8M)", part)?.unwrap_or(DEFAULT_PART_SIZE),
+            concurrency: setting(CONCURRENCY_ENV, "a whole number from 1 to 1024", count(1, 1024))?
+                .unwrap_or(DEFAULT_CONCURRENCY),
+            timeout: Duration::from_secs(
+                setting(TIMEOUT_ENV, "a whole number of seconds from 1 to 3600", |v| {
+                    v.parse::<u64>().ok().filter(|n| (1..=3600).contains(n))
+                })?
+                .unwrap_or(DEFAULT_TIMEOUT_S),
+            ),
+            retries: setting(RETRIES_ENV, "a whole number from 0 to 100", count(0, 100))?.unwrap_or(DEFAULT_RETRIES),
+        })
+    }
+}
+
+/// Whether `path` is a URL this module reads (`s3://`, `gs://`, `az://`, `http(s)://`, ...).
+pub fn is_url(path: &Path) -> bool {
+    path.to_str().is_some_and(|s| s.split_once("://").is_some_and(|(scheme, _)| SCHEMES.contains(&scheme)))
+}
+
+/// `url` as errors show it: without its query string or fragment, which may hold a signature.
+pub fn shown(url: &str) -> String {
+    url.split(['?', '#']).next().unwrap_or(url).to_owned()
+}
+
+/// The runtime the requests run on: built once, a few worker threads (they only wait on
+/// sockets and copy bytes).
+fn runtime() -> Result<&'static Runtime> {
+    static RUNTIME: OnceLock<std::result::Result<Runtime, String>> = OnceLock::new();
+    RUNTIME
+        .get_or_init(|| {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(4)
+                .thread_name("fastsafetensors-remote")
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())
+        })
+        .as_ref()
+        .map_err(|e| Error::io("remote I/O runtime", "start", std::io::Error::other(e.clone())))
+}
+
+/// Runs `fut` to completion on the runtime, from a thread that is not one of its own.
+fn block_on<T>(fut: impl Future<Output = Result<T>>) -> Result<T> {
+    runtime()?.block_on(fut)
+}
+
+/// The process-wide limit on GETs in flight (sized by the settings at the first read).
+fn in_flight(settings: &RemoteSettings) -> &'static Semaphore {
+    static LIMIT: OnceLock<Semaphore> = OnceLock::new();
+    LIMIT.get_or_init(|| Semaphore::new(settings.concurrency))
+}
+
+/// One object: the store that serves it and its path there.
+#[derive(Clone)]
+struct Location {
+    url: String,
+    store: Arc<dyn ObjectStore>,
+    path: ObjectPath,
+}
+
+/// The store for `url` and the object's path in it. Stores are kept per bucket (or host) so
+/// that the files of a checkpoint share connections.
+fn locate(url: &str) -> Result<Location> {
+    static STORES: OnceLock<Mutex<HashMap<String, Arc<dyn ObjectStore>>>> = OnceLock::new();
+    let invalid = |reason: String| Error::InvalidUrl { url: shown(url), reason };
+    let parsed = Url::parse(url).map_err(|e| invalid(e.to_string()))?;
+    let (scheme, path) = ObjectStoreScheme::parse(&parsed).map_err(|e| invalid(one_line(&e.to_string())))?;
+    let path = ObjectPath::parse(path).map_err(|e| invalid(one_line(&e.to_string())))?;
+    // One store per host, and per first path segment where that can be the bucket
+    // (https://s3.region.amazonaws.com/bucket/...), and per configuration: a test, or a
+    // program that switches credentials, gets a store built with what the environment says now.
+    let mut key = format!("{}://{}", parsed.scheme(), &parsed[url::Position::BeforeHost..url::Position::BeforePath]);
+    if scheme != ObjectStoreScheme::Http {
+        key.push('/');
+        key.push_str(parsed.path().trim_start_matches('/').split('/').next().unwrap_or(""));
+    }
+    key.push_str(&format!("#{:x}", config_hash()));
+    let mut stores = STORES.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+    let store = match stores.get(&key) {
+        Some(store) => Arc::clone(store),
+        None => {
+            let store = build_store(scheme, &parsed, url)?;
+            stores.insert(key, Arc::clone(&store));
+            store
+        }
+    };
+    Ok(Location { url: shown(url), store, path })
+}
+
+/// A hash of the environment variables the stores are configured from.
+fn config_hash() -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut vars: Vec<(String, String)> = std::env::vars()
+        .filter(|(k, _)| ["AWS_", "GOOGLE_", "AZURE_", "FASTSAFETENSORS_REMOTE_"].iter().any(|p| k.starts_with(p)))
+        .collect();
+    vars.sort();
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    vars.hash(&mut hasher);
+    hasher.finish()
+}
+
+/// A store for `url`'s scheme, configured from the environment.
+fn build_store(scheme: ObjectStoreScheme, parsed: &Url, url: &str) -> Result<Arc<dyn ObjectStore>> {
+    let settings = RemoteSettings::from_env()?;
+    let retry = RetryConfig {
+        backoff: BackoffConfig {
+            init_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(8),
+            base: 2.0,
+        },
+        max_retries: settings.retries,
+        retry_timeout: RETRY_WINDOW,
+    };
+    let timeout = format!("{}s", settings.timeout.as_secs());
+    let connect = format!("{}s", settings.timeout.as_secs().min(10));
+    let failed = |e: object_store::Error| Error::InvalidUrl { url: shown(url), reason: one_line(&e.to_string()) };
+    let store: Arc<dyn ObjectStore> = match scheme {
+        ObjectStoreScheme::AmazonS3 => {
+            let mut b = AmazonS3Builder::from_env().with_url(url).with_retry(retry);
+            // AWS_ENDPOINT_URL is what the AWS CLI reads; object_store knows it as aws_endpoint.
+            let endpoint = b.get_config_value(&AmazonS3ConfigKey::Endpoint);
+            if endpoint.as_deref().is_some_and(|e| e.starts_with("http://")) {
+                b = b.with_allow_http(true);
+            }
+            let client = |k| AmazonS3ConfigKey::Client(k);
+            b = b
+                .with_config(client(ClientConfigKey::Timeout), &timeout)
+                .with_config(client(ClientConfigKey::ConnectTimeout), &connect);
+            Arc::new(b.build().map_err(failed)?)
+        }
+        ObjectStoreScheme::GoogleCloudStorage => {
+            let client = |k| GoogleConfigKey::Client(k);
+            let b = GoogleCloudStorageBuilder::from_env()
+                .with_url(url)
+                .with_retry(retry)
+                .with_config(client(ClientConfigKey::Timeout), &timeout)
+                .with_config(client(ClientConfigKey::ConnectTimeout), &connect);
+            Arc::new(b.build().map_err(failed)?)
+        }
+        ObjectStoreScheme::MicrosoftAzure => {
+            let client = |k| AzureConfigKey::Client(k);
+            let b = MicrosoftAzureBuilder::from_env()
+                .with_url(url)
+                .with_retry(retry)
+                .with_config(client(ClientConfigKey::Timeout), &timeout)
+                .with_config(client(ClientConfigKey::ConnectTimeout), &connect);
+            Arc::new(b.build().map_err(failed)?)
+        }
+        ObjectStoreScheme::Http => {
+            let base = &parsed[..url::Position::BeforePath];
+            let b = HttpBuilder::new()
+                .with_url(base)
+                .with_retry(retry)
+                .with_config(ClientConfigKey::AllowHttp, "true")
+                .with_config(ClientConfigKey::Timeout, &timeout)
+                .with_config(ClientConfigKey::ConnectTimeout, &connect);
+            Arc::new(b.build().map_err(failed)?)
+        }
+        _ => return Err(Error::InvalidUrl { url: shown(url), reason: "not an object store URL".to_owned() }),
+    };
+    Ok(store)
+}
+
+/// An object in a store, opened at one version: the [`Source`] for a URL.
+pub struct RemoteObject {
+    path: PathBuf,
+    at: Location,
+    identity: Identity,
+    /// The object's first bytes, fetched when it was opened (its header, usually).
+    prefix: Bytes,
+    settings: RemoteSettings,
+    /// Where the bytes read are copied for the next load, if the cache is on.
+    cache: Option<CacheWriter>,
+}
+
+impl RemoteObject {
+    /// Opens the object at `url` with one GET of its first bytes, which fixes its version.
+    pub fn open(url: &str) -> Result<RemoteObject> {
+        let settings = RemoteSettings::from_env()?;
+        let at = locate(url)?;
+        let (identity, prefix) = block_on(async {
+            let options = GetOptions { range: Some((0..SPECULATIVE_HEADER).into()), ..Default::default() };
+            let got = match at.store.get_opts(&at.path, options).await {
+                Ok(got) => got,
+                // An empty object has no range to give: ask for it whole.
+                Err(e) if is_unsatisfiable(&e) => {
+                    at.store.get_opts(&at.path, GetOptions::default()).await.map_err(|e| remote_error(&at.url, e))?
+                }
+                Err(e) => return Err(remote_error(&at.url, e)),
+            };
+            let meta = got.meta.clone();
+            let bytes = got.bytes().await.map_err(|e| remote_error(&at.url, e))?;
+            let identity = Identity::Object { len: meta.size, e_tag: meta.e_tag, version: meta.version };
+            Ok((identity, bytes))
+        })?;
+        Ok(RemoteObject { path: PathBuf::from(url), at, identity, prefix, settings, cache: None })
+    }
+
+    /// From now on, the bytes read are also written to the object's entry in the cache at
+    /// `dir` (see [`super::cache`]), from the first ones, fetched already.
+    pub fn cache_into(&mut self, dir: &Path) {
+        self.cache = CacheWriter::start(dir, self.path.to_str().unwrap_or_default(), &self.identity);
+        if let Some(cache) = &self.cache {
+            cache.write(0, self.prefix.clone());
+        }
+    }
+
+    /// The URL as errors show it.
+    pub fn url(&self) -> &str {
+        &self.at.url
+    }
+
+    fn conditions(&self) -> (Option<String>, Option<String>) {
+        match &self.identity {
+            Identity::Object { e_tag, version, .. } => (e_tag.clone(), version.clone()),
+            Identity::File { .. } => (None, None),
+        }
+    }
+
+    /// Fetches `dst.len()` bytes from `start` with one GET on the opened version.
+    async fn get_into(&self, start: u64, dst: &mut [u8]) -> Result<()> {
+        let _permit = in_flight(&self.settings).acquire().await.expect("the semaphore is never closed");
+        let (if_match, version) = self.conditions();
+        let end = start + dst.len() as u64;
+        let options = GetOptions { range: Some((start..end).into()), if_match, version, ..Default::default() };
+        let got = self.at.store.get_opts(&self.at.path, options).await.map_err(|e| remote_error(&self.at.url, e))?;
+        // A store that ignored the condition still says which version it sent.
+        let now =
+            Identity::Object { len: got.meta.size, e_tag: got.meta.e_tag.clone(), version: got.meta.version.clone() };
+        if !self.same_version(&now) {
+            return Err(Error::RemoteChanged { url: self.at.url.clone() });
+        }
+        let mut body = got.into_stream();
+        let mut done = 0usize;
+        while let Some(chunk) = body.next().await {
+            let chunk = chunk.map_err(|e| remote_error(&self.at.url, e))?;
+            let Some(to) = dst.get_mut(done..done + chunk.len()) else {
+                return Err(Error::Remote {
+                    url: self.at.url.clone(),
+                    detail: format!("the server sent more than the {} bytes asked for at byte {start}", dst.len()),
+                });
+            };
+            to.copy_from_slice(&chunk);
+            if let Some(cache) = &self.cache {
+                cache.write(start + done as u64, chunk.clone());
+            }
+            done += chunk.len();
+        }
+        if done < dst.len() {
+            return Err(Error::Truncated { path: self.path.clone(), at: start + done as u64, expected: self.len() });
+        }
+        Ok(())
+    }
+
+    /// Whether `now` is the version opened: the same size, and the same ETag and version id
+    /// where the store gives them.
+    fn same_version(&self, now: &Identity) -> bool {
+        match (&self.identity, now) {
+            (
+                Identity::Object { len, e_tag, version },
+                Identity::Object { len: now_len, e_tag: now_tag, version: now_version },
+            ) => {
+                len == now_len
+                    && (e_tag.is_none() || now_tag.is_none() || e_tag == now_tag)
+                    && (version.is_none() || now_version.is_none() || version == now_version)
+            }
+            _ => false,
+        }
+    }
+}
+
+impl Source for RemoteObject {
+    fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn identity(&self) -> &Identity {
+        &self.identity
+    }
+
+    fn current_identity(&self) -> Result<Identity> {
+        let meta =
+            block_on(async { self.at.store.head(&self.at.path).await.map_err(|e| remote_error(&self.at.url, e)) })?;
+        Ok(Identity::Object { len: meta.size, e_tag: meta.e_tag, version: meta.version })
+    }
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        let end = offset.saturating_add(buf.len() as u64).min(self.len());
+        if offset >= end {
+            return Ok(0);
+        }
+        let n = (end - offset) as usize;
+        if end <= self.prefix.len() as u64 {
+            buf[..n].copy_from_slice(&self.prefix[offset as usize..end as usize]);
+            return Ok(n);
+        }
+        let part = self.settings.part_size as usize;
+        let parts =
+            buf[..n].chunks_mut(part).enumerate().map(|(i, dst)| self.get_into(offset + (i * part) as u64, dst));
+        block_on(stream::iter(parts).buffer_unordered(self.settings.concurrency).try_collect::<()>())?;
+        Ok(n)
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities { direct: false, mmap: false, gds: false }
+    }
+
+    fn local(&self) -> Option<&LocalFile> {
+        None
+    }
+
+    fn splits_reads(&self) -> bool {
+        true
+    }
+
+    /// Every GET was conditional on the version opened (where the store gives one), so a
+    /// replaced object failed its reads already; without an ETag or version, ask once more.
+    fn check_unchanged(&self) -> Result<()> {
+        if let Identity::Object { e_tag: None, version: None, .. } = &self.identity {
+            if !self.same_version(&self.current_identity()?) {
+                return Err(Error::RemoteChanged { url: self.at.url.clone() });
+            }
+        }
+        Ok(())
+    }
+
+    /// The header from the bytes fetched at open; a second GET only for a larger header.
+    fn header(&self) -> Result<Header> {
+        let format_err = |source| Error::Format { path: self.path.clone(), source };
+        let len = format::header_len(&self.prefix, self.len()).map_err(format_err)?;
+        let end = format::LEN_PREFIX + len;
+        let json = if end <= self.prefix.len() as u64 {
+            self.prefix[format::LEN_PREFIX as usize..end as usize].to_vec()
+        } else {
+            let mut json = vec![0u8; len as usize];
+            let got = self.read_at(&mut json, format::LEN_PREFIX)?;
+            if got < json.len() {
+                return Err(Error::Truncated {
+                    path: self.path.clone(),
+                    at: format::LEN_PREFIX + got as u64,
+                    expected: self.len(),
+                });
+            }
+            json
+        };
+        format::parse_header(&json, self.len()).map_err(format_err)
+    }
+}
+
+/// The objects directly under the prefix `url` (a "directory": deeper ones are not listed),
+/// as URLs, in name order.
+pub fn list(url: &str) -> Result<Vec<String>> {
+    let at = locate(url)?;
+    if url.starts_with("http://") || url.starts_with("https://") {
+        return Err(Error::InvalidUrl {
+            url: at.url,
+            reason: "an HTTP server cannot be listed: pass the checkpoint's *.safetensors.index.json URL, or each file's URL"
+                .to_owned(),
+        });
+    }
+    let listed =
+        block_on(async { at.store.list_with_delimiter(Some(&at.path)).await.map_err(|e| remote_error(&at.url, e)) })?;
+    let base = at.url.trim_end_matches('/');
+    let mut urls: Vec<String> =
+        listed.objects.iter().filter_map(|o| o.location.filename().map(|name| format!("{base}/{name}"))).collect();
+    urls.sort();
+    Ok(urls)
+}
+
+/// The whole object at `url` (an index: at most 100 MB).
+pub fn read_small(url: &str) -> Result<Vec<u8>> {
+    let at = locate(url)?;
+    block_on(async {
+        let got = at.store.get_opts(&at.path, GetOptions::default()).await.map_err(|e| remote_error(&at.url, e))?;
+        if got.meta.size > MAX_SMALL_OBJECT {
+            return Err(Error::InvalidIndex {
+                path: PathBuf::from(&at.url),
+                reason: format!("it is {} bytes, more than an index can be", got.meta.size),
+            });
+        }
+        Ok(got.bytes().await.map_err(|e| remote_error(&at.url, e))?.to_vec())
+    })
+}
+
+/// Why each of `urls` cannot be read (None for those that are there), with one HEAD each,
+/// in parallel.
+pub fn missing(urls: &[String]) -> Vec<Option<String>> {
+    block_on(async { Ok(stream::iter(urls).map(|u| why_missing(u)).buffered(16).collect::<Vec<_>>().await) })
+        .unwrap_or_else(|e| vec![Some(e.to_string()); urls.len()])
+}
+
+/// Why the object at `url` cannot be read, or None.
+async fn why_missing(url: &str) -> Option<String> {
+    let at = match locate(url) {
+        Ok(at) => at,
+        Err(e) => return Some(e.to_string()),
+    };
+    match at.store.head(&at.path).await {
+        Ok(_) => None,
+        Err(object_store::Error::NotFound { .. }) => Some("does not exist".to_owned()),
+        Err(e) => Some(format!("cannot be read: {}", remote_error(&at.url, e))),
+    }
+}
+
+/// `name` (a shard, relative to the index) beside the object at `url`.
+pub fn sibling(url: &str, name: &str) -> String {
+    match url.rsplit_once('/') {
+        Some((folder, _)) => format!("{folder}/{name}"),
+        None => name.to_owned(),
+    }
+}
+
+/// A range past the end of an empty object.
+fn is_unsatisfiable(e: &object_store::Error) -> bool {
+    chain(e).contains("416")
+}
+
+/// The error, with the source chain, on one line.
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut parts = vec![e.to_string()];
+    let mut next = e.source();
+    while let Some(cause) = next {
+        let text = cause.to_string();
+        if !parts.iter().any(|p| p.contains(&text)) {
+            parts.push(text);
+        }
+        next = cause.source();
+    }
+    one_line(&parts.join(": "))
+}
+
+/// `text` on one line, its URLs without query strings, and not too long to read.
+fn one_line(text: &str) -> String {
+    let words: Vec<String> =
+        text.split_whitespace().map(|w| if w.contains("://") { shown(w) } else { w.to_owned() }).collect();
+    let mut line = words.join(" ");
+    if line.len() > 400 {
+        let cut = (0..=400).rev().find(|&i| line.is_char_boundary(i)).unwrap_or(0);
+        line.truncate(cut);
+        line.push_str(" ...");
+    }
+    line
+}
+
+/// What a failed request for credentials mentions: the stores look for them in the
+/// environment first, then ask the cloud's metadata service (absent off the cloud).
+const CREDENTIAL_SOURCES: &[&str] = &[
+    "credential",
+    "Credential",
+    "/latest/api/token",  // AWS instance metadata (IMDSv2)
+    "/latest/meta-data",  // AWS instance metadata
+    "computeMetadata",    // GCP metadata server
+    "/metadata/identity", // Azure managed identity
+];
+
+/// The text between `<tag>` and `</tag>` in an S3-style XML error body.
+fn xml_field<'a>(text: &'a str, tag: &str) -> Option<&'a str> {
+    let open = format!("<{tag}>");
+    let start = text.find(&open)? + open.len();
+    let len = text[start..].find("</")?;
+    Some(&text[start..start + len])
+}
+
+/// What went wrong with a request for `url`, as one of the crate's errors. The server's
+/// error body is not repeated (it can echo the access key id); only its error code is.
+pub(crate) fn remote_error(url: &str, e: object_store::Error) -> Error {
+    let text = chain(&e);
+    let code = xml_field(&text, "Code").map(str::to_owned);
+    let url = url.to_owned();
+    match e {
+        object_store::Error::NotFound { .. } => {
+            let bucket = matches!(code.as_deref(), Some("NoSuchBucket" | "ContainerNotFound"));
+            Error::RemoteNotFound { url, what: if bucket { "bucket (or container)" } else { "object" } }
+        }
+        object_store::Error::Precondition { .. } | object_store::Error::NotModified { .. } => {
+            Error::RemoteChanged { url }
+        }
+        object_store::Error::PermissionDenied { .. } | object_store::Error::Unauthenticated { .. } => {
+            Error::RemoteDenied { url, code: code.unwrap_or_else(|| "access denied".to_owned()) }
+        }
+        _ if CREDENTIAL_SOURCES.iter().any(|m| text.contains(m)) => Error::RemoteNoCredentials { url },
+        _ => {
+            // The request's cause, without the server's body (see above), nor the store's
+            // name ("Generic S3 error: "), which the URL says already.
+            let text = match text.find(" error: ") {
+                Some(i) if text.starts_with("Generic ") => text[i + " error: ".len()..].to_owned(),
+                _ => text,
+            };
+            let detail = match text.find('<') {
+                Some(body) => text[..body].trim_end().to_owned(),
+                None => text,
+            };
+            let detail = detail.trim_end_matches(':').to_owned();
+            Error::Remote { url, detail: code.map_or(detail.clone(), |c| format!("{detail} ({c})")) }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_are_told_from_paths() {
+        for url in
+            ["s3://b/k.safetensors", "gs://b/k", "az://c/k", "https://h/x", "http://127.0.0.1:9/x", "abfss://c@a/x"]
+        {
+            assert!(is_url(Path::new(url)), "{url}");
+        }
+        for path in ["model.safetensors", "/tmp/s3:/x", "file:///tmp/x", "ftp://h/x", "dir/s3://x"] {
+            assert!(!is_url(Path::new(path)), "{path}");
+        }
+    }
+
+    #[test]
+    fn shown_urls_leave_out_the_query() {
+        assert_eq!(shown("https://h/m.safetensors?X-Amz-Signature=abc#f"), "https://h/m.safetensors");
+        assert_eq!(one_line("GET https://h/x?sig=1  failed\n  later"), "GET https://h/x failed later");
+    }
+
+    #[test]
+    fn settings_are_checked() {
+        // Only the parsers: the process environment is shared by the tests.
+        let part = |v: &str| parse_size(v).flatten().filter(|n| (64 << 10..=1 << 30).contains(n));
+        assert_eq!(part("8M"), Some(8 << 20));
+        assert_eq!(part("1K"), None);
+        assert_eq!(part("2G"), None);
+    }
+
+    #[test]
+    fn error_bodies_are_not_repeated() {
+        let body =
+            "Server returned 500: <Error><Code>InternalError</Code><AWSAccessKeyId>AKIA</AWSAccessKeyId></Error>";
+        assert_eq!(xml_field(body, "Code"), Some("InternalError"));
+        let e = object_store::Error::Generic { store: "S3", source: body.into() };
+        let msg = remote_error("s3://b/k", e).to_string();
+        assert!(msg.contains("InternalError") && !msg.contains("AKIA"), "{msg}");
+    }
+
+    #[test]
+    fn siblings_share_the_folder() {
+        assert_eq!(sibling("s3://b/m/model.safetensors.index.json", "a.safetensors"), "s3://b/m/a.safetensors");
+    }
+}

@@ -1,0 +1,381 @@
+"""Servers on 127.0.0.1 for the remote-source tests: Garage (a real S3 server, built into
+build/garage by `make garage`), an HTTP file server with range and If-Match support, and an
+HTTP proxy that injects faults (503s, slow responses) between the loader and either of them.
+Nothing here reaches beyond the loopback interface.
+
+`python remote_servers.py serve DIR PORT_FILE [DELAY_S]` runs the file server in its own
+process (so that a test can kill it mid-transfer); it writes its port to PORT_FILE."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+import http.client
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+GARAGE_ENV = "FST_GARAGE"
+REGION = "garage"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
+
+
+# ------------------------------------------------------------------------------ HTTP files
+class _FileHandler(BaseHTTPRequestHandler):
+    """GET/HEAD of the files under the server's root with single byte ranges, an ETag per
+    file version and If-Match; counts the body bytes it sends."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):  # quiet
+        pass
+
+    def _file(self) -> Path | None:
+        rel = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path).lstrip("/")
+        path = (self.server.root / rel).resolve()
+        if not path.is_relative_to(self.server.root) or not path.is_file():
+            return None
+        return path
+
+    def do_HEAD(self):
+        self._serve(body=False)
+
+    def do_GET(self):
+        self._serve(body=True)
+
+    def _reply(self, status: int, headers: dict, body: bytes = b"") -> None:
+        self.send_response(status)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _serve(self, body: bool) -> None:
+        self.server.requests.append((self.command, self.path, self.headers.get("Range")))
+        path = self._file()
+        if path is None:
+            return self._reply(404, {}, b"not found")
+        st = path.stat()
+        etag = f'"{st.st_ino:x}-{st.st_size:x}-{st.st_mtime_ns:x}"'
+        common = {"ETag": etag, "Accept-Ranges": "bytes",
+                  "Last-Modified": self.date_time_string(int(st.st_mtime))}
+        if_match = self.headers.get("If-Match")
+        if if_match is not None and if_match != "*" and etag not in [t.strip() for t in if_match.split(",")]:
+            return self._reply(412, common, b"precondition failed")
+        size = st.st_size
+        start, end, status = 0, size, 200
+        rng = self.headers.get("Range")
+        if rng:
+            m = re.fullmatch(r"bytes=(\d*)-(\d*)", rng.strip())
+            if not m:
+                return self._reply(416, common)
+            a, b = m.groups()
+            if a == "":
+                start, end = max(0, size - int(b)), size
+            else:
+                start, end = int(a), size if b == "" else min(size, int(b) + 1)
+            if start >= size:
+                return self._reply(416, {**common, "Content-Range": f"bytes */{size}"})
+            status = 206
+            common["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+        self.send_response(status)
+        for k, v in common.items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(end - start))
+        self.end_headers()
+        if not body:
+            return
+        with open(path, "rb") as f:
+            f.seek(start)
+            left = end - start
+            while left:
+                chunk = f.read(min(left, 1 << 20))
+                if not chunk:
+                    break
+                if self.server.delay:
+                    time.sleep(self.server.delay)
+                self.wfile.write(chunk)
+                self.server.count(len(chunk))
+                left -= len(chunk)
+
+
+class FileServer(ThreadingHTTPServer):
+    """Serves `root` on 127.0.0.1 in a background thread. `sent` counts body bytes."""
+
+    daemon_threads = True
+
+    def __init__(self, root: Path, port: int = 0, delay: float = 0.0):
+        super().__init__(("127.0.0.1", port), _FileHandler)
+        self.root = Path(root).resolve()
+        self.delay = delay
+        self.sent = 0
+        self.requests: list = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self.serve_forever, daemon=True)
+
+    def count(self, n: int) -> None:
+        with self._lock:
+            self.sent += n
+
+    def reset(self) -> None:
+        with self._lock:
+            self.sent = 0
+            self.requests.clear()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+        self.server_close()
+
+
+# ------------------------------------------------------------------------------ fault proxy
+class _ProxyHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def _forward(self):
+        p = self.server
+        with p.lock:
+            p.seen += 1
+            fail = p.fail_next > 0
+            if fail:
+                p.fail_next -= 1
+                p.failed += 1
+        if fail:
+            body = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
+            self.send_response(503)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Retry-After", "0")
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        if p.delay:
+            time.sleep(p.delay)
+        length = int(self.headers.get("Content-Length") or 0)
+        payload = self.rfile.read(length) if length else None
+        conn = http.client.HTTPConnection("127.0.0.1", p.upstream, timeout=60)
+        # The Host header goes on as the client sent (and signed) it.
+        headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
+        conn.request(self.command, self.path, body=payload, headers=headers, encode_chunked=False)
+        resp = conn.getresponse()
+        self.send_response(resp.status, resp.reason)
+        for k, v in resp.getheaders():
+            if k.lower() not in ("connection", "transfer-encoding", "keep-alive"):
+                self.send_header(k, v)
+        data = resp.read()
+        if resp.getheader("Content-Length") is None:
+            self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+        conn.close()
+
+    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
+
+
+class FaultProxy(ThreadingHTTPServer):
+    """An HTTP proxy on 127.0.0.1 to `upstream` (a port on 127.0.0.1) that answers the next
+    `fail_next` requests with 503 SlowDown and holds each other request `delay` seconds."""
+
+    daemon_threads = True
+
+    def __init__(self, upstream: int):
+        super().__init__(("127.0.0.1", 0), _ProxyHandler)
+        self.upstream = upstream
+        self.fail_next = 0
+        self.failed = 0
+        self.seen = 0
+        self.delay = 0.0
+        self.lock = threading.Lock()
+        self._thread = threading.Thread(target=self.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+        self.server_close()
+
+
+# ------------------------------------------------------------------------------ Garage
+def garage_binary() -> Path | None:
+    found = os.environ.get(GARAGE_ENV) or str(REPO / "build" / "garage" / "bin" / "garage")
+    return Path(found) if Path(found).is_file() else shutil.which("garage") and Path(shutil.which("garage"))
+
+
+class Garage:
+    """A single-node Garage on 127.0.0.1 with its data under `root`: one key, buckets made on
+    demand, objects put with a small SigV4 signer (no client library needed)."""
+
+    def __init__(self, binary: Path, root: Path):
+        self.binary, self.root = binary, Path(root)
+        self.s3_port, self.rpc_port, self.admin_port = free_port(), free_port(), free_port()
+        self.config = self.root / "garage.toml"
+        self.config.write_text(f"""
+metadata_dir = "{self.root}/meta"
+data_dir = "{self.root}/data"
+db_engine = "sqlite"
+replication_factor = 1
+rpc_bind_addr = "127.0.0.1:{self.rpc_port}"
+rpc_public_addr = "127.0.0.1:{self.rpc_port}"
+rpc_secret = "{secrets.token_hex(32)}"
+
+[s3_api]
+s3_region = "{REGION}"
+api_bind_addr = "127.0.0.1:{self.s3_port}"
+root_domain = ".s3.garage.localhost"
+
+[admin]
+api_bind_addr = "127.0.0.1:{self.admin_port}"
+""")
+        self.log = open(self.root / "garage.log", "wb")
+        self.proc = subprocess.Popen([str(binary), "-c", str(self.config), "server"],
+                                     stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "RUST_LOG": "warn"})
+        try:
+            wait_for_port(self.rpc_port)
+            node = self._node_id()
+            self.cli("layout", "assign", "-z", "dc1", "-c", "1G", node)
+            self.cli("layout", "apply", "--version", "1")
+            self.key_id = "GK" + secrets.token_hex(12)
+            self.secret = secrets.token_hex(32)
+            self.cli("key", "import", "--yes", "-n", "fst-test", self.key_id, self.secret)
+            wait_for_port(self.s3_port)
+        except BaseException:
+            self.stop()
+            raise
+
+    def cli(self, *args: str) -> str:
+        proc = subprocess.run([str(self.binary), "-c", str(self.config), *args],
+                              capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0:
+            raise RuntimeError(f"garage {' '.join(args)} failed: {proc.stderr or proc.stdout}")
+        return proc.stdout
+
+    def _node_id(self) -> str:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                out = self.cli("node", "id", "-q")
+                return out.strip().split("@")[0]
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def bucket(self, name: str) -> None:
+        self.cli("bucket", "create", name)
+        self.cli("bucket", "allow", "--read", "--write", "--owner", name, "--key", self.key_id)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.s3_port}"
+
+    def env(self, endpoint: str | None = None) -> dict:
+        """What a client needs in its environment to reach this server."""
+        return {"AWS_ACCESS_KEY_ID": self.key_id, "AWS_SECRET_ACCESS_KEY": self.secret,
+                "AWS_REGION": REGION, "AWS_ENDPOINT_URL": endpoint or self.endpoint}
+
+    def request(self, method: str, bucket: str, key: str, body: bytes = b"",
+                extra: dict | None = None) -> http.client.HTTPResponse:
+        """One signed (SigV4, unsigned payload) path-style request; `extra` headers unsigned."""
+        path = "/" + urllib.parse.quote(f"{bucket}/{key}".rstrip("/"), safe="/-_.~")
+        host = f"127.0.0.1:{self.s3_port}"
+        now = datetime.datetime.now(datetime.timezone.utc)
+        amz_date, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
+        headers = {"host": host, "x-amz-content-sha256": "UNSIGNED-PAYLOAD", "x-amz-date": amz_date}
+        signed = ";".join(sorted(headers))
+        canonical = "\n".join([method, path, "", *(f"{k}:{headers[k]}" for k in sorted(headers)), "",
+                               signed, "UNSIGNED-PAYLOAD"])
+        scope = f"{day}/{REGION}/s3/aws4_request"
+        to_sign = "\n".join(["AWS4-HMAC-SHA256", amz_date, scope, hashlib.sha256(canonical.encode()).hexdigest()])
+        key_bytes = ("AWS4" + self.secret).encode()
+        for part in (day, REGION, "s3", "aws4_request"):
+            key_bytes = hmac.new(key_bytes, part.encode(), hashlib.sha256).digest()
+        signature = hmac.new(key_bytes, to_sign.encode(), hashlib.sha256).hexdigest()
+        headers["Authorization"] = (f"AWS4-HMAC-SHA256 Credential={self.key_id}/{scope}, "
+                                    f"SignedHeaders={signed}, Signature={signature}")
+        conn = http.client.HTTPConnection("127.0.0.1", self.s3_port, timeout=120)
+        conn.request(method, path, body=body, headers={**headers, **(extra or {})})
+        resp = conn.getresponse()
+        resp.data = resp.read()
+        conn.close()
+        return resp
+
+    def put(self, bucket: str, key: str, data: bytes) -> None:
+        resp = self.request("PUT", bucket, key, data)
+        if resp.status != 200:
+            raise RuntimeError(f"PUT {bucket}/{key}: {resp.status} {resp.data[:300]!r}")
+
+    def upload(self, bucket: str, prefix: str, directory: Path) -> None:
+        for f in sorted(Path(directory).iterdir()):
+            if f.is_file():
+                self.put(bucket, f"{prefix}{f.name}", f.read_bytes())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def _serve_main(argv: list[str]) -> None:
+    root, port_file = Path(argv[0]), Path(argv[1])
+    delay = float(argv[2]) if len(argv) > 2 else 0.0
+    with FileServer(root, delay=delay) as server:
+        port_file.write_text(str(server.server_address[1]))
+        while True:
+            time.sleep(3600)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "serve":
+        _serve_main(sys.argv[2:])
+    else:
+        sys.exit(__doc__)

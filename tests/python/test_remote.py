@@ -1,0 +1,484 @@
+"""Remote sources: checkpoints read from a real S3 server (Garage, on 127.0.0.1) and from an
+HTTP server with range support, through every entry point, bit-exact; and what happens when
+the object changes, the server dies, answers 503 or slowly, or refuses the credentials.
+
+Garage is built by `make garage` (into build/garage); `make test-python` builds it first.
+A missing Garage fails these tests: it is never skipped."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file as st_load_file
+
+import fastsafetensors_rs as fst
+import fst_testutils as U
+from remote_servers import FaultProxy, FileServer, Garage, garage_binary, wait_for_port
+
+BUCKET = "models"
+REMOTE_ENV = ("FASTSAFETENSORS_REMOTE_PART_SIZE", "FASTSAFETENSORS_REMOTE_CONCURRENCY",
+              "FASTSAFETENSORS_REMOTE_TIMEOUT", "FASTSAFETENSORS_REMOTE_RETRIES")
+
+
+# ------------------------------------------------------------------------------ fixtures
+def _tensors(seed: int, n: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in range(n):
+        out[f"layers.{seed}.{i}.weight"] = torch.randn(256, 1024, generator=g).to(torch.bfloat16)  # 512 KiB
+        out[f"layers.{seed}.{i}.bias"] = torch.randn(1024, generator=g)
+        out[f"layers.{seed}.{i}.scale"] = torch.randint(-128, 127, (333,), generator=g, dtype=torch.int8)
+    return out
+
+
+@pytest.fixture(scope="session")
+def local_models(tmp_path_factory) -> Path:
+    """The checkpoints the servers hold, written locally:
+    single/all.safetensors   every dtype, metadata;
+    sharded/                 two shards and their index;
+    flat/                    two files, no index;
+    big/model.safetensors    a 6 MiB tensor beside 4 MiB ones (reads of many parts);
+    bigheader/x.safetensors  a header larger than the first GET."""
+    root = tmp_path_factory.mktemp("remote-models")
+    (root / "single").mkdir()
+    U.write_checkpoint(root / "single" / "all.safetensors", U.all_dtype_tensors(seed=3),
+                       metadata={"format": "pt", "source": "remote test"})
+    (root / "sharded").mkdir()
+    weight_map = {}
+    for k in (1, 2):
+        name = f"model-0000{k}-of-00002.safetensors"
+        tensors = _tensors(k, 6)
+        U.write_checkpoint(root / "sharded" / name, tensors, metadata={"format": "pt"})
+        weight_map.update({t: name for t in tensors})
+    (root / "sharded" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (root / "flat").mkdir()
+    U.write_checkpoint(root / "flat" / "a.safetensors", _tensors(3, 2))
+    U.write_checkpoint(root / "flat" / "b.safetensors", _tensors(4, 2))
+    (root / "big").mkdir()
+    g = torch.Generator().manual_seed(9)
+    U.write_checkpoint(root / "big" / "model.safetensors", {
+        "a": torch.randn(1024, 1024, generator=g),                      # 4 MiB
+        "b": torch.randn(1536, 1024, generator=g),                      # 6 MiB
+        "c": torch.randint(0, 255, (4 << 20,), generator=g, dtype=torch.uint8),  # 4 MiB
+    })
+    (root / "bigheader").mkdir()
+    many = {f"model.layers.{i}.a.rather.long.tensor.name.that.makes.the.header.big.{i:06d}": torch.full((3,), i)
+            for i in range(12000)}
+    U.write_checkpoint(root / "bigheader" / "x.safetensors", many)
+    assert int.from_bytes((root / "bigheader" / "x.safetensors").read_bytes()[:8], "little") > 1 << 20
+    return root
+
+
+@pytest.fixture(scope="session")
+def garage(tmp_path_factory, local_models):
+    binary = garage_binary()
+    if binary is None:
+        pytest.fail("Garage (the S3 server these tests run against) is not built: run `make garage` "
+                    "(or `make test-python`, which builds it), or set FST_GARAGE to its binary")
+    server = Garage(binary, tmp_path_factory.mktemp("garage"))
+    try:
+        server.bucket(BUCKET)
+        for sub in ("single", "sharded", "flat", "big", "bigheader"):
+            server.upload(BUCKET, f"{sub}/", local_models / sub)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def http_server(local_models):
+    with FileServer(local_models) as server:
+        yield server
+
+
+@pytest.fixture
+def s3_env(garage, monkeypatch):
+    """The environment of a client of the Garage server; small parts so that reads split."""
+    for k in list(os.environ):
+        if k.startswith("AWS_") or k in REMOTE_ENV:
+            monkeypatch.delenv(k)
+    for k, v in garage.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("FASTSAFETENSORS_REMOTE_PART_SIZE", "1M")
+    return garage
+
+
+@pytest.fixture(params=["s3", "http"])
+def remote(request, local_models, monkeypatch):
+    """(base URL of the models, local copy) through S3 or HTTP."""
+    monkeypatch.setenv("FASTSAFETENSORS_REMOTE_PART_SIZE", "1M")
+    if request.param == "s3":
+        request.getfixturevalue("s3_env")
+        return f"s3://{BUCKET}", local_models
+    return request.getfixturevalue("http_server").url, local_models
+
+
+def reference(path: Path) -> dict:
+    return st_load_file(str(path))
+
+
+def reference_dir(directory: Path) -> dict:
+    out = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        out.update(st_load_file(str(f)))
+    return out
+
+
+# ------------------------------------------------------------------------------ bit-exact
+def test_load_file_is_bit_exact(remote):
+    base, local = remote
+    for rel in ("single/all.safetensors", "big/model.safetensors"):
+        U.assert_same_dict(fst.load_file(f"{base}/{rel}"), reference(local / rel))
+
+
+def test_a_header_larger_than_the_first_get_is_read(remote):
+    base, local = remote
+    got = fst.load_file(f"{base}/bigheader/x.safetensors")
+    U.assert_same_dict(got, reference(local / "bigheader" / "x.safetensors"))
+
+
+def test_an_index_url_loads_its_shards(remote):
+    base, local = remote
+    got = fst.load(f"{base}/sharded/model.safetensors.index.json")
+    U.assert_same_dict(got, reference_dir(local / "sharded"))
+
+
+def test_a_prefix_loads_like_a_directory(s3_env, local_models):
+    # With an index: the shards it lists; without: every *.safetensors directly under it.
+    for sub in ("sharded", "flat"):
+        for url in (f"s3://{BUCKET}/{sub}", f"s3://{BUCKET}/{sub}/"):
+            U.assert_same_dict(fst.load(url), reference_dir(local_models / sub))
+
+
+def test_an_http_prefix_cannot_be_listed(http_server):
+    with pytest.raises(RuntimeError, match=r"/sharded: .*HTTP server cannot be listed.*index"):
+        fst.load(f"{http_server.url}/sharded")
+
+
+def test_several_urls_and_a_local_file_load_together(remote):
+    base, local = remote
+    got = fst.load([f"{base}/flat/a.safetensors", str(local / "flat" / "b.safetensors")])
+    U.assert_same_dict(got, reference_dir(local / "flat"))
+
+
+def test_safe_open_reads_keys_metadata_tensors_and_slices(remote):
+    base, local = remote
+    ref = reference(local / "single" / "all.safetensors")
+    with fst.safe_open(f"{base}/single/all.safetensors", framework="pt") as f:
+        assert sorted(f.keys()) == sorted(ref)
+        assert f.metadata() == {"format": "pt", "source": "remote test"}
+        for name in sorted(ref)[::7]:
+            U.assert_same_tensor(f.get_tensor(name), ref[name], name)
+        matrix = sorted(n for n in ref if n.endswith(".matrix"))[0]
+        U.assert_same_tensor(f.get_slice(matrix)[1:4], ref[matrix][1:4], matrix)
+
+
+def test_streams_and_the_weights_iterator_are_bit_exact(remote):
+    base, local = remote
+    ref = reference_dir(local / "sharded")
+    url = f"{base}/sharded/model.safetensors.index.json"
+    got = {n: t.clone() for n, t in fst.stream(url, max_memory="2M")}
+    U.assert_same_dict(got, ref)
+    shards = [f"{base}/sharded/model-0000{k}-of-00002.safetensors" for k in (1, 2)]
+    got = {n: t.clone() for n, t in fst.weights_iterator(shards, max_memory="3M")}
+    U.assert_same_dict(got, ref)
+
+
+def test_the_ibm_api_and_vllms_iterator_take_urls(remote):
+    base, local = remote
+    shards = [f"{base}/sharded/model-0000{k}-of-00002.safetensors" for k in (1, 2)]
+    got = {n: t.clone() for n, t in U.vllm_weights_iterator(shards)}
+    U.assert_same_dict(got, reference_dir(local / "sharded"))
+
+
+def test_the_vllm_plugin_reads_weights_from_a_url(remote):
+    from fastsafetensors_rs import vllm_plugin
+
+    base, local = remote
+    url = f"{base}/sharded/model.safetensors.index.json"
+    assert vllm_plugin.parse_options({"weights": url}) == {"weights": url}
+    with pytest.raises(ValueError, match=r"model_loader_extra_config\['weights'\].*a URL or a path"):
+        vllm_plugin.parse_options({"weights": 3})
+    files = vllm_plugin.weights_files(url)
+    assert files == [f"{base}/sharded/model-0000{k}-of-00002.safetensors" for k in (1, 2)]
+    got = {n: t.clone() for n, t in fst.weights_iterator(files)}
+    U.assert_same_dict(got, reference_dir(local / "sharded"))
+
+
+def test_a_filter_fetches_only_the_selected_bytes(http_server, local_models, monkeypatch):
+    monkeypatch.setenv("FASTSAFETENSORS_REMOTE_PART_SIZE", "1M")
+    url = f"{http_server.url}/big/model.safetensors"
+    ref = reference(local_models / "big" / "model.safetensors")
+    http_server.reset()
+    got = fst.load_file(url, tensor_filter=["b"])
+    U.assert_same_dict(got, {"b": ref["b"]})
+    selected = ref["b"].numel() * 4
+    # The first GET of an object (its header) asks for its first MiB, whatever is selected.
+    probe = 1 << 20
+    assert http_server.sent <= 1.2 * selected + probe, (http_server.sent, selected)
+    assert http_server.sent >= selected
+    # Every data GET was a range, and the ranges were parts of at most 1 MiB.
+    ranges = [r for (_, _, r) in http_server.requests]
+    assert all(r and r.startswith("bytes=") for r in ranges), ranges
+    assert len(ranges) >= 1 + selected // (1 << 20)
+
+
+def test_the_cli_inspects_and_verifies_urls(remote):
+    base, local = remote
+    url = f"{base}/sharded/model.safetensors.index.json"
+    for command in ("inspect", "verify"):
+        proc = subprocess.run([sys.executable, "-m", "fastsafetensors_rs", command, url, "--json"],
+                              capture_output=True, text=True, timeout=300, env=U.subprocess_env())
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout)
+        assert out["valid"] is True, out
+        names = {t["name"] for f in out["files"] for t in f.get("tensors", [])} if command == "inspect" else None
+        if names is not None:
+            assert names == set(reference_dir(local / "sharded")), names
+
+
+# ------------------------------------------------------------------------------ consistency
+def test_an_object_replaced_after_its_header_was_read_is_an_error(s3_env, local_models):
+    url = f"s3://{BUCKET}/replaced/model.safetensors"
+    data = (local_models / "big" / "model.safetensors").read_bytes()
+    s3_env.put(BUCKET, "replaced/model.safetensors", data)
+    with fst.safe_open(url, framework="pt") as f:
+        assert f.keys() == ["a", "b", "c"]
+        # Same size, other bytes: only the version tells them apart.
+        s3_env.put(BUCKET, "replaced/model.safetensors", data[:-1] + bytes([data[-1] ^ 1]))
+        with pytest.raises(RuntimeError, match=r"replaced/model.safetensors: the object changed while it was being"):
+            f.get_tensor("c")
+
+
+def test_a_file_replaced_on_an_http_server_is_an_error(http_server, local_models, tmp_path):
+    target = local_models / "single" / "replaced.safetensors"
+    src = (local_models / "big" / "model.safetensors").read_bytes()
+    target.write_bytes(src)
+    url = f"{http_server.url}/single/replaced.safetensors"
+    with fst.safe_open(url, framework="pt") as f:
+        time.sleep(0.01)
+        tmp = target.with_suffix(".tmp")
+        tmp.write_bytes(src)
+        tmp.replace(target)  # a new inode: a new ETag
+        with pytest.raises(RuntimeError, match=r"replaced.safetensors: the object changed"):
+            f.get_tensor("b")
+    target.unlink()
+
+
+def test_a_server_killed_mid_load_fails_the_load_promptly(local_models, tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTSAFETENSORS_REMOTE_TIMEOUT", "3")
+    monkeypatch.setenv("FASTSAFETENSORS_REMOTE_RETRIES", "2")
+    monkeypatch.setenv("FASTSAFETENSORS_REMOTE_PART_SIZE", "1M")
+    port_file = tmp_path / "port"
+    # 1 s per MiB sent (a part): the 14 MiB file takes long enough to kill the server under it.
+    server = subprocess.Popen([sys.executable, str(Path(U.__file__).parent / "remote_servers.py"), "serve",
+                               str(local_models), str(port_file), "1.0"])
+    try:
+        deadline = time.monotonic() + 30
+        while not port_file.exists() or not port_file.read_text():
+            assert time.monotonic() < deadline and server.poll() is None
+            time.sleep(0.05)
+        port = int(port_file.read_text())
+        wait_for_port(port)
+        url = f"http://127.0.0.1:{port}/big/model.safetensors"
+        outcome = {}
+
+        def run():
+            try:
+                outcome["tensors"] = fst.load_file(url)
+            except Exception as e:  # noqa: BLE001 - the test inspects it
+                outcome["error"] = e
+
+        t = threading.Thread(target=run)
+        start = time.monotonic()
+        t.start()
+        time.sleep(0.5)
+        server.send_signal(signal.SIGKILL)
+        t.join(timeout=60)
+        assert not t.is_alive(), "the load hung after its server was killed"
+        assert "error" in outcome, "the load succeeded although its server was killed mid-load"
+        message = str(outcome["error"])
+        assert message.startswith(url), message
+        assert "\n" not in message, message
+        assert time.monotonic() - start < 60
+    finally:
+        server.kill()
+        server.wait()
+
+
+# ------------------------------------------------------------------------------ faults
+@pytest.fixture
+def proxy(s3_env, monkeypatch):
+    """A fault-injecting proxy in front of Garage, which the client is pointed at."""
+    with FaultProxy(s3_env.s3_port) as p:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", p.url)
+        yield p
+
+
+def test_503s_are_retried(proxy, local_models):
+    proxy.fail_next = 3
+    got = fst.load_file(f"s3://{BUCKET}/big/model.safetensors")
+    U.assert_same_dict(got, reference(local_models / "big" / "model.safetensors"))
+    assert proxy.failed == 3
+
+
+def test_503s_past_the_retries_name_the_url_and_the_status(proxy, monkeypatch):
+    monkeypatch.setenv("FASTSAFETENSORS_REMOTE_RETRIES", "1")
+    proxy.fail_next = 100
+    url = f"s3://{BUCKET}/big/model.safetensors"
+    with pytest.raises(RuntimeError) as e:
+        fst.load_file(url)
+    message = str(e.value)
+    assert message.startswith(f"{url}: ") and "503 Service Unavailable" in message, message
+    assert "after 1 retries" in message, message
+    assert "\n" not in message
+
+
+def test_slow_responses_within_the_timeout_load(proxy, local_models, monkeypatch):
+    monkeypatch.setenv("FASTSAFETENSORS_REMOTE_TIMEOUT", "5")
+    proxy.delay = 0.2
+    got = fst.load_file(f"s3://{BUCKET}/single/all.safetensors")
+    U.assert_same_dict(got, reference(local_models / "single" / "all.safetensors"))
+
+
+def test_responses_slower_than_the_timeout_fail_without_hanging(proxy, monkeypatch):
+    monkeypatch.setenv("FASTSAFETENSORS_REMOTE_TIMEOUT", "1")
+    monkeypatch.setenv("FASTSAFETENSORS_REMOTE_RETRIES", "1")
+    proxy.delay = 3
+    url = f"s3://{BUCKET}/single/all.safetensors"
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as e:
+        fst.load_file(url)
+    message = str(e.value)
+    assert message.startswith(url) and "timed out" in message.lower(), message
+    assert time.monotonic() - start < 30
+
+
+def test_wrong_credentials_are_refused_without_showing_them(s3_env, monkeypatch):
+    secret = "0" * 64
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    url = f"s3://{BUCKET}/single/all.safetensors"
+    with pytest.raises(RuntimeError) as e:
+        fst.load_file(url)
+    message = str(e.value)
+    assert message.startswith(f"{url}: access denied"), message
+    assert secret not in message and s3_env.secret not in message
+
+
+def test_a_missing_key_or_bucket_is_named(s3_env):
+    url = f"s3://{BUCKET}/single/nothing.safetensors"
+    with pytest.raises(RuntimeError, match=rf"^{url}: no such object \(HTTP 404\)"):
+        fst.load_file(url)
+    url = "s3://no-such-bucket/x.safetensors"
+    with pytest.raises(RuntimeError, match=rf"^{url}: no such bucket"):
+        fst.load_file(url)
+    # A shard the index lists but the bucket lacks: named by the index.
+    s3_env.put(BUCKET, "broken/model.safetensors.index.json",
+               json.dumps({"weight_map": {"x": "gone.safetensors"}}).encode())
+    with pytest.raises(RuntimeError, match=r"broken/model.safetensors.index.json: lists shard gone.safetensors, "
+                                           r"which does not exist"):
+        fst.load(f"s3://{BUCKET}/broken/model.safetensors.index.json")
+
+
+def test_missing_credentials_are_named(s3_env, monkeypatch):
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    # Where no credentials are set, the instance metadata service is asked: here, nothing.
+    monkeypatch.setenv("AWS_METADATA_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("FASTSAFETENSORS_REMOTE_RETRIES", "0")
+    url = f"s3://{BUCKET}/single/all.safetensors"
+    with pytest.raises(RuntimeError, match=rf"^{url}: no credentials found"):
+        fst.load_file(url)
+
+
+def test_malformed_remote_settings_are_named(s3_env, monkeypatch):
+    # (Every load checks them: test_settings.py; here, a load of a URL.)
+    monkeypatch.setenv("FASTSAFETENSORS_REMOTE_PART_SIZE", "tiny")
+    with pytest.raises(RuntimeError, match=r"^FASTSAFETENSORS_REMOTE_PART_SIZE='tiny' is not valid"):
+        fst.load_file(f"s3://{BUCKET}/single/all.safetensors")
+
+
+# ------------------------------------------------------------------------------ cache
+def _entries(cache: Path, timeout: float = 20.0, want: int | None = None) -> list[Path]:
+    """The complete entries of the cache, once the writer threads are done (no partial file
+    left) and, with `want`, once there are that many."""
+    deadline = time.monotonic() + timeout
+    while True:
+        files = sorted(cache.iterdir()) if cache.exists() else []
+        done = [f for f in files if f.name.endswith(".safetensors")]
+        if not any(".partial." in f.name for f in files) and (want is None or len(done) == want):
+            return done
+        assert time.monotonic() < deadline, files
+        time.sleep(0.05)
+
+
+def test_the_cache_makes_the_next_load_local(http_server, local_models, tmp_path, monkeypatch):
+    from fastsafetensors_rs._ops import ops
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FASTSAFETENSORS_CACHE_DIR", str(cache))
+    url = f"{http_server.url}/big/model.safetensors"
+    ref = reference(local_models / "big" / "model.safetensors")
+    U.assert_same_dict(fst.load_file(url), ref)
+    [entry] = _entries(cache, want=1)
+    assert entry.read_bytes() == (local_models / "big" / "model.safetensors").read_bytes()
+    http_server.reset()
+    tensors, read_paths = ops.load_with_report([url], "cpu", None, None, None)
+    U.assert_same_dict(dict(tensors), ref)
+    assert read_paths[0] != "remote", read_paths
+    # Only the GET that asks for the object's version (with its header) went to the server.
+    assert len(http_server.requests) == 1 and http_server.sent <= 1 << 20, http_server.requests
+    # safe_open and streams read the entry too.
+    with fst.safe_open(url, framework="pt") as f:
+        U.assert_same_tensor(f.get_tensor("b"), ref["b"])
+    U.assert_same_dict({n: t.clone() for n, t in fst.stream(url, max_memory="4M")}, ref)
+    assert len(http_server.requests) == 3
+
+
+def test_a_stale_cache_entry_is_never_read(http_server, local_models, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FASTSAFETENSORS_CACHE_DIR", str(cache))
+    target = local_models / "single" / "cached.safetensors"
+    U.write_checkpoint(target, {"x": torch.arange(10_000, dtype=torch.float32)})
+    url = f"{http_server.url}/single/cached.safetensors"
+    U.assert_same_dict(fst.load_file(url), reference(target))
+    [old] = _entries(cache, want=1)
+    # The object replaced (same size, other bytes, a new ETag): the old entry is not read,
+    # and goes once the new one is complete.
+    U.write_checkpoint(target.with_suffix(".tmp"), {"x": torch.arange(10_000, dtype=torch.float32) + 1})
+    target.with_suffix(".tmp").replace(target)
+    U.assert_same_dict(fst.load_file(url), reference(target))
+    [new] = _entries(cache, want=1)
+    assert new != old and not old.exists()
+    assert new.read_bytes() == target.read_bytes()
+    target.unlink()
+
+
+def test_a_partial_read_leaves_no_entry_and_a_partial_entry_is_never_read(http_server, local_models, tmp_path,
+                                                                           monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FASTSAFETENSORS_CACHE_DIR", str(cache))
+    url = f"{http_server.url}/flat/a.safetensors"
+    ref = reference(local_models / "flat" / "a.safetensors")
+    name = sorted(ref)[0]
+    U.assert_same_dict(fst.load_file(url, tensor_filter=[name]), {name: ref[name]})
+    assert _entries(cache) == []
+    # A whole load makes the entry; cut short (as a crash or a full disk leaves it), it is
+    # not taken for the object: the next load reads the server.
+    U.assert_same_dict(fst.load_file(url), ref)
+    [entry] = _entries(cache, want=1)
+    entry.write_bytes(entry.read_bytes()[:-100])
+    http_server.reset()
+    U.assert_same_dict(fst.load_file(url), ref)
+    assert http_server.sent >= (local_models / "flat" / "a.safetensors").stat().st_size
+    [entry] = _entries(cache, want=1)
+    assert entry.read_bytes() == (local_models / "flat" / "a.safetensors").read_bytes()
