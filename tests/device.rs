@@ -252,7 +252,8 @@ enum Call {
     DeregisterHandle,
     RegisterBuffer(u64, usize),
     DeregisterBuffer(u64),
-    Read { len: usize, file_offset: u64 },
+    /// A read of `len` bytes at `file_offset` of the file registered as `file`.
+    Read { file: usize, len: usize, file_offset: u64 },
 }
 
 /// What a fake cuFile has in flight.
@@ -356,7 +357,7 @@ impl CuFileApi for FakeCuFile<'_> {
         base_offset: u64,
     ) -> Result<usize, String> {
         self.check_current("cuFileRead");
-        self.record(Call::Read { len, file_offset });
+        self.record(Call::Read { file: handle.0, len, file_offset });
         let at = base + base_offset;
         {
             let mut live = self.live.lock().unwrap();
