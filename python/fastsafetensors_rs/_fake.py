@@ -21,7 +21,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ._dtypes import CASTABLE, DTYPES, cast_dtype, torch_shape
-from ._ops import ops
+from ._ops import checkpoint_files, ops
 
 __all__ = ["register_fake_kernels"]
 
@@ -37,18 +37,6 @@ def _target_device(device: str) -> torch.device:
         index = torch.cuda.current_device() if torch.cuda.is_available() else 0
         target = torch.device("cuda", index)
     return target
-
-
-def _files_of(paths: List[str]) -> List[str]:
-    """The files `paths` (files, checkpoint directories, indexes) stand for, as the real op
-    resolves them, failing on the first problem it would fail on."""
-    files: List[str] = []
-    for path in paths:
-        found, _, problems = ops.checkpoint(path)
-        if problems:
-            raise RuntimeError(problems[0])
-        files.extend(found)
-    return files
 
 
 def fake_load(
@@ -70,7 +58,7 @@ def fake_load(
     selected = None if tensor_filter is None else set(ops.selected(files, tensor_filter, tensor_name_match_mode))
     out: Dict[str, torch.Tensor] = {}
     origin: Dict[str, str] = {}
-    for path in _files_of(files):
+    for path in checkpoint_files(files):
         names, dtypes, shapes, _ = ops.describe(path)  # header only; validates it
         for name, st_dtype, shape in zip(names, dtypes, shapes):
             if selected is not None and name not in selected:

@@ -4,6 +4,7 @@ import glob
 import importlib.machinery
 import json
 import os
+from typing import List, Sequence
 
 import torch
 
@@ -56,3 +57,15 @@ _check_built_for_this_torch()
 _point_at_cufile()
 torch.ops.load_library(LIBRARY_PATH)
 ops = torch.ops.fastsafetensors
+
+
+def checkpoint_files(paths: Sequence[str]) -> List[str]:
+    """The files `paths` (files, checkpoint directories, indexes) stand for, as the load op
+    resolves them, failing on the first problem it would fail on."""
+    files: List[str] = []
+    for path in paths:
+        found, _, problems = ops.checkpoint(path)
+        if problems:
+            raise RuntimeError(problems[0])
+        files.extend(found)
+    return files

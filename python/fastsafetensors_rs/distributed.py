@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import math
 import os
 import socket
 import threading
@@ -37,7 +38,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from ._dtypes import CASTABLE, DTYPES, torch_shape
-from ._ops import ops
+from ._ops import checkpoint_files, ops
 
 __all__ = ["node_group", "group_size", "SharedLoad", "SharedTensors", "sharded_load", "block"]
 
@@ -134,7 +135,7 @@ class SharedLoad:
         failure = None
         try:  # a failure here is every rank's: it goes to the others before raising
             self._check_backend()
-            files = paths if not self._own_handle else _files_of(paths)
+            files = paths if not self._own_handle else checkpoint_files(paths)
             self._handle = ops.open_handle(files) if self._own_handle else handle
             text = ops.share_load(files, dtype, patterns, mode, self.world, (max_memory or "") if streamed else None,
                                   chunk, self._handle)
@@ -244,18 +245,6 @@ class SharedLoad:
         self._handle = -1
 
 
-def _files_of(paths: Sequence[str]) -> List[str]:
-    """The files the paths stand for (directories and indexes expanded), checked as a load
-    checks them."""
-    files: List[str] = []
-    for p in paths:
-        found, _, problems = ops.checkpoint(p)
-        if problems:
-            raise RuntimeError(problems[0])
-        files.extend(found)
-    return files
-
-
 class SharedTensors:
     """What `stream(..., process_group=...)` returns: `(name, tensor)` pairs as their buffers
     arrive on every rank, and how many tensors and bytes there are (`tensor_count`,
@@ -316,11 +305,11 @@ def sharded_load(paths: Sequence[str], device: str, dtype: Optional[torch.dtype]
     tensors are read once between the ranks and exchanged (`SharedLoad`)."""
     dist = _dist()
     world, rank = group_size(group), dist.get_rank(group)
-    files = _files_of(paths)
+    files = checkpoint_files(paths)
     handle = ops.open_handle(files)
     try:
         selected = list(ops.selected(files, patterns, mode, handle))
-        names, shapes, file_of = _headers(files, handle)
+        dtypes, shapes, file_of = _headers(files, handle)
         dims = _shard_dims(selected, shard, files, handle, shapes)
         rows = [n for n in selected if dims.get(n) == 0]
         columns = [n for n in selected if dims.get(n, 0) > 0]
@@ -332,20 +321,20 @@ def sharded_load(paths: Sequence[str], device: str, dtype: Optional[torch.dtype]
         for name in rows:
             start, stop = block(shapes[name][0], world, rank)
             if start == stop:  # more ranks than rows
-                empty = [0] + torch_shape(names[name], shapes[name])[1:]
-                t = torch.empty(empty, dtype=DTYPES[names[name]][0])
+                empty = [0] + torch_shape(dtypes[name], shapes[name])[1:]
+                t = torch.empty(empty, dtype=DTYPES[dtypes[name]][0])
             else:
                 t = ops.load_rows(files[file_of[name]], name, start, stop, reader, handle)
             out[name] = _cast(t, dtype).to(device)
-        owners = _owners(columns, shapes, names, world)
+        owners = _owners(columns, shapes, dtypes, world)
         mine = [n for n in columns if owners[n] == rank]
         local = {}
         if mine:
             local = dict(zip(*ops.load_named(files, device, dtype, reader, None, mine, "exact", handle)[:2]))
         for name in columns:
-            stored = names[name]
+            stored = dtypes[name]
             loaded = _cast(torch.empty(0, dtype=DTYPES[stored][0]), dtype).dtype
-            out[name] = _scatter(local.pop(name, None), name, dims[name], torch_shape(stored, shapes[name]), loaded,
+            out[name] = _scatter(local.pop(name, None), dims[name], torch_shape(stored, shapes[name]), loaded,
                                  device, owners[name], group, world, rank)
         return {n: out[n] for n in selected}
     finally:
@@ -353,26 +342,28 @@ def sharded_load(paths: Sequence[str], device: str, dtype: Optional[torch.dtype]
 
 
 def _headers(files: Sequence[str], handle: int):
-    names: Dict[str, str] = {}
+    """Each tensor's safetensors dtype name, shape and file, from the headers."""
+    dtypes: Dict[str, str] = {}
     shapes: Dict[str, List[int]] = {}
     file_of: Dict[str, int] = {}
     for i, f in enumerate(files):
-        n, dtypes, s, _ = ops.describe(f, handle)
-        names.update(zip(n, dtypes))
-        shapes.update(zip(n, (list(x) for x in s)))
-        file_of.update((x, i) for x in n)
-    return names, shapes, file_of
+        names, types, dims, _ = ops.describe(f, handle)
+        dtypes.update(zip(names, types))
+        shapes.update(zip(names, (list(d) for d in dims)))
+        file_of.update((n, i) for n in names)
+    return dtypes, shapes, file_of
 
 
 def _shard_dims(selected: List[str], shard: Dict[str, int], files: Sequence[str], handle: int,
                 shapes: Dict[str, List[int]]) -> Dict[str, int]:
     """The dimension each selected tensor is split along (the first pattern that matches it)."""
     dims: Dict[str, int] = {}
+    wanted = set(selected)
     for pattern, dim in shard.items():
         if isinstance(dim, bool) or not isinstance(dim, int):
             raise TypeError(f"shard[{pattern!r}]: expected a dimension (int), got {dim!r}")
         for name in ops.selected(list(files), [pattern], "glob", handle):
-            if name in dims or name not in set(selected):
+            if name in dims or name not in wanted:
                 continue
             ndim = len(shapes[name])  # F4 keeps its dimensions (the last one halved)
             d = dim + ndim if dim < 0 else dim
@@ -388,7 +379,7 @@ def _owners(columns: List[str], shapes: Dict[str, List[int]], dtypes: Dict[str, 
     each to the rank with the fewest bytes so far (the same on every rank: headers only)."""
     load = [0] * world
     owners: Dict[str, int] = {}
-    size = {n: DTYPES[dtypes[n]][1] * max(1, _numel(shapes[n])) for n in columns}
+    size = {n: DTYPES[dtypes[n]][1] * max(1, math.prod(shapes[n])) for n in columns}
     for name in sorted(columns, key=lambda n: (-size[n], n)):
         r = min(range(world), key=lambda k: (load[k], k))
         owners[name] = r
@@ -396,21 +387,14 @@ def _owners(columns: List[str], shapes: Dict[str, List[int]], dtypes: Dict[str, 
     return owners
 
 
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def _cast(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
     """`dtype=` as the loader applies it: floating-point tensors cast, the rest kept."""
     return t.to(dtype) if dtype is not None and t.dtype in CASTABLE and t.dtype != dtype else t
 
 
-def _scatter(whole: Optional[torch.Tensor], name: str, dim: int, shape: List[int], dtype: torch.dtype,
+def _scatter(whole: Optional[torch.Tensor], dim: int, shape: List[int], dtype: torch.dtype,
              device: str, owner: int, group: Any, world: int, rank: int) -> torch.Tensor:
-    """This rank's block along `dim` of tensor `name` (of torch `shape` and `dtype` once
+    """This rank's block along `dim` of a tensor (of torch `shape` and `dtype` once
     loaded), scattered by the rank that read it (`whole` there). Blocks are padded to the
     first (the largest) for the scatter and cut back on arrival."""
     dist = _dist()

@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import torch
@@ -292,6 +293,41 @@ def check_output(proc: subprocess.CompletedProcess) -> str:
         f"subprocess exited {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
     )
     return proc.stdout
+
+
+def run_rank_workers(worker: str, d: Path, mode: str, world: int, timeout: float, env_of=lambda rank: {}) -> list:
+    """Runs `python WORKER MODE D RANK WORLD INIT_FILE` once per rank, joined in one gloo group
+    (file:// rendezvous, loopback only); returns each rank's results, which the worker saves
+    to `D/MODE.wWORLD.rankR.pt` (with an "error" entry if it failed). `env_of(rank)`: extra
+    environment of that rank. A rank left waiting past `timeout` seconds fails them all."""
+    init_file = Path(d) / f"init.{mode}.w{world}.{time.monotonic_ns()}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, worker, mode, str(d), str(r), str(world), str(init_file)],
+            env=subprocess_env({"GLOO_SOCKET_IFNAME": "lo", **env_of(r)}),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for r in range(world)
+    ]
+    deadline = time.monotonic() + timeout
+    outputs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out = p.communicate()[0] + "\n[timed out: a rank was left waiting in a collective]"
+        outputs.append(out)
+    results = []
+    for r, p in enumerate(procs):
+        path = Path(d) / f"{mode}.w{world}.rank{r}.pt"
+        got = torch.load(path, weights_only=False) if path.exists() else {}
+        assert p.returncode == 0 and "error" not in got, (
+            f"rank {r} of {world} failed (exit {p.returncode}):\n{got.get('error', '')}\n{outputs[r][-4000:]}"
+        )
+        results.append(got)
+    return results
 
 
 def vllm_weights_iterator(hf_weights_files):

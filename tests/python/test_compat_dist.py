@@ -14,9 +14,7 @@ from __future__ import annotations
 import gc
 import json
 import os
-import subprocess
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -485,35 +483,7 @@ def worker_main(mode: str, d: str, rank: int, world: int, init_file: str) -> int
 
 def run_ranks(d: Path, mode: str, world: int, env: dict | None = None) -> list[dict]:
     """Runs `mode` on `world` ranks; returns each rank's results."""
-    init_file = d / f"init.{mode}.w{world}.{time.monotonic_ns()}"
-    worker_env = U.subprocess_env({"GLOO_SOCKET_IFNAME": "lo", **(env or {})})
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, mode, str(d), str(r), str(world), str(init_file)],
-            env=worker_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for r in range(world)
-    ]
-    deadline = time.monotonic() + WORKER_TIMEOUT_S
-    outputs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            out = p.communicate()[0] + "\n[timed out: a rank was left waiting in a collective]"
-        outputs.append(out)
-    results = []
-    for r, p in enumerate(procs):
-        path = d / f"{mode}.w{world}.rank{r}.pt"
-        got = torch.load(path, weights_only=False) if path.exists() else {}
-        assert p.returncode == 0 and "error" not in got, (
-            f"rank {r} of {world} failed (exit {p.returncode}):\n{got.get('error', '')}\n"
-            f"{outputs[r][-4000:]}"
-        )
-        results.append(got)
-    return results
+    return U.run_rank_workers(__file__, d, mode, world, WORKER_TIMEOUT_S, lambda rank: env or {})
 
 
 if __name__ == "__main__":
