@@ -455,8 +455,8 @@ std::tuple<std::vector<std::string>, std::optional<std::string>, std::vector<std
 double resident_fraction(std::string file) { return call_rust([&] { return rs::resident_fraction(file); }); }
 
 // A handle on `files`, opened now: the ops taking it read those, whatever becomes of the paths.
-int64_t open_handle(std::vector<std::string> files) {
-  return call_rust([&] { return rs::open_handle(to_rust(files)); });
+int64_t open_handle(std::vector<std::string> files, std::optional<std::string> cache_dir) {
+  return call_rust([&] { return rs::open_handle(to_rust(files), cache_dir.value_or("")); });
 }
 bool close_handle(int64_t handle) { return rs::close_handle(handle); }
 
@@ -504,7 +504,7 @@ TORCH_LIBRARY(fastsafetensors, m) {
   m.def("release_staging_buffers() -> int");
   m.def("metadata(str file) -> Dict(str, str)?");
   m.def("describe(str file, int handle=-1) -> (str[] names, str[] dtypes, int[][] shapes, Dict(str, str)? metadata)");
-  m.def("open_handle(str[] files) -> int");
+  m.def("open_handle(str[] files, str? cache_dir=None) -> int");
   m.def("close_handle(int handle) -> bool");
 }
 

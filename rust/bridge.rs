@@ -120,8 +120,9 @@ mod ffi {
 
         /// Opens `paths` (each one `.safetensors` file) and validates their headers: a handle,
         /// which the loads below take instead of reopening their `paths` (then some of those
-        /// opened), until `close_handle`. `handle` -1 there: open `paths` afresh.
-        fn open_handle(paths: &Vec<String>) -> Result<i64>;
+        /// opened), until `close_handle`. `handle` -1 there: open `paths` afresh. URLs' objects
+        /// are cached in `cache_dir` ("": where `$FASTSAFETENSORS_CACHE_DIR` says, if set).
+        fn open_handle(paths: &Vec<String>, cache_dir: &str) -> Result<i64>;
         /// Lets go of the files of `handle` (loads running from them keep them); false if it
         /// was not open.
         fn close_handle(handle: i64) -> bool;
@@ -486,8 +487,12 @@ fn target_and_cast(device: &str, dtype: &str) -> Result<(Target, Option<Dtype>)>
     Ok((target, cast))
 }
 
-fn open_handle(paths: &Vec<String>) -> Result<i64> {
-    guard(|| Ok(HANDLES.insert(OpenFiles::open(&paths.iter().map(PathBuf::from).collect::<Vec<_>>())?)))
+fn open_handle(paths: &Vec<String>, cache_dir: &str) -> Result<i64> {
+    guard(|| {
+        let paths: Vec<PathBuf> = paths.iter().map(PathBuf::from).collect();
+        let cache_dir = (!cache_dir.is_empty()).then(|| Path::new(cache_dir));
+        Ok(HANDLES.insert(OpenFiles::open_cached(&paths, cache_dir)?))
+    })
 }
 
 fn close_handle(handle: i64) -> bool {

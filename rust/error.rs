@@ -85,6 +85,10 @@ pub enum Error {
     /// A URL that names no object this loader can read.
     #[error("{url}: not a URL this loader reads: {reason}")]
     InvalidUrl { url: String, reason: String },
+    /// The store's configuration cannot be used (an AWS profile that is missing, malformed, or
+    /// gets its credentials through a process this loader does not run).
+    #[error("{url}: {reason}")]
+    RemoteConfig { url: String, reason: String },
     /// The object, or its bucket, is not there (HTTP 404).
     #[error("{url}: no such {what} (HTTP 404): check the URL, and that the object was uploaded")]
     RemoteNotFound { url: String, what: &'static str },

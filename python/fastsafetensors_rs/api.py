@@ -33,7 +33,7 @@ import torch
 from . import distributed
 from ._dtypes import cast_dtype
 from ._logging import level_from_env
-from ._ops import ops
+from ._ops import checkpoint_files, ops
 from .progress import progress_from_env
 
 logger = logging.getLogger("fastsafetensors_rs")
@@ -260,6 +260,7 @@ def load(
     tensor_name_match_mode: str = "glob",
     process_group: Optional[ProcessGroup] = None,
     shard: Optional[Mapping[str, int]] = None,
+    cache_dir: Optional[PathLike] = None,
 ) -> Dict[str, torch.Tensor]:
     """Loads every tensor (or the selected ones) of one or more files into one dict.
 
@@ -293,6 +294,9 @@ def load(
             every other tensor whole. A block of rows (dimension 0) is read by its rank alone,
             only its bytes; a block along another dimension is scattered by the rank that read
             the whole tensor; each byte is still read once between the ranks.
+        cache_dir: for URLs, a local directory where each object read whole is kept, keyed by
+            URL and version, so that the next load of that version reads the local copy (see
+            docs/remote.md). None: `$FASTSAFETENSORS_CACHE_DIR`, if set. Local files ignore it.
 
     The tensors own their memory: no handle needs closing, and a buffer is freed when the last
     tensor into it is gone. With the "auto" reader, files whose direct reads would not fit in
@@ -303,18 +307,46 @@ def load(
     paths = _paths(files)
     patterns, mode = _filter_args(tensor_filter, tensor_name_match_mode, paths)
     target, cast = _device_name(device), cast_dtype(dtype)
+    cache = _cache_dir(cache_dir)
     if shard is not None:
         if process_group is None:
             raise ValueError("shard= splits tensors over the ranks of a process_group: pass one")
-        out = distributed.sharded_load(paths, target, cast, reader, patterns, mode, process_group, dict(shard))
+        out = distributed.sharded_load(paths, target, cast, reader, patterns, mode, process_group, dict(shard),
+                                       cache)
     elif _shared(process_group):
-        shared = distributed.SharedLoad(paths, target, cast, reader, patterns, mode, process_group, None, False)
+        shared = distributed.SharedLoad(paths, target, cast, reader, patterns, mode, process_group, None, False,
+                                        cache_dir=cache)
         with _gc_paused():
             out = dict(pair for buffer in shared.buffers() for pair in buffer)
     else:
-        out = _load(paths, target, cast, reader, nogds, patterns, mode)
+        with _opened(paths, cache) as (files, handle):
+            out = _load(files, target, cast, reader, nogds, patterns, mode, handle)
     _nothing_selected(patterns, mode, len(out), paths)
     return out
+
+
+def _cache_dir(cache_dir: Optional[PathLike]) -> Optional[str]:
+    if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+        raise TypeError(f"cache_dir= takes a directory path, not {type(cache_dir).__name__}")
+    return None if cache_dir is None else os.fspath(cache_dir)
+
+
+@contextlib.contextmanager
+def _opened(paths: List[str], cache_dir: Optional[str]) -> Iterator[Tuple[List[str], int]]:
+    """`(paths, -1)` where there is no `cache_dir` (the ops open the paths themselves); else
+    the files they stand for, and a handle on them opened with that cache (closed on exit:
+    the loads and streams started from it keep what they read from)."""
+    if cache_dir is None:
+        yield paths, -1
+        return
+    # Files as they are (opening one reads its header: a second open would be a second GET);
+    # directories, prefixes and indexes resolved to theirs.
+    files = paths if all(p.endswith(".safetensors") for p in paths) else checkpoint_files(paths)
+    handle = ops.open_handle(files, cache_dir)
+    try:
+        yield files, handle
+    finally:
+        ops.close_handle(handle)
 
 
 def _shared(process_group: Optional[ProcessGroup]) -> bool:
@@ -344,11 +376,13 @@ def load_file(
     tensor_name_match_mode: str = "glob",
     process_group: Optional[ProcessGroup] = None,
     shard: Optional[Mapping[str, int]] = None,
+    cache_dir: Optional[PathLike] = None,
 ) -> Dict[str, torch.Tensor]:
     """Loads one file (or a checkpoint directory or index), like
     `safetensors.torch.load_file`. See `load` for the arguments."""
     return load([filename], device=device, dtype=dtype, reader=reader, nogds=nogds, tensor_filter=tensor_filter,
-                tensor_name_match_mode=tensor_name_match_mode, process_group=process_group, shard=shard)
+                tensor_name_match_mode=tensor_name_match_mode, process_group=process_group, shard=shard,
+                cache_dir=cache_dir)
 
 
 def release_staging_buffers() -> int:
@@ -373,6 +407,7 @@ def stream(
     tensor_name_match_mode: str = "glob",
     max_memory: Union[None, int, str] = None,
     process_group: Optional[ProcessGroup] = None,
+    cache_dir: Optional[PathLike] = None,
 ) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yields `(name, tensor)` for the selected tensors of `files`, in file order and within a
     file in the order of the data, each as soon as the group of tensors it was read with has
@@ -384,8 +419,8 @@ def stream(
             most half the available memory). Counts buffers being read, read and waiting, and
             handed out but still referenced by a tensor. A tensor larger than the budget still
             loads, alone.
-        files, device, dtype, reader, tensor_filter, tensor_name_match_mode, process_group:
-            as in `load`. With a group, every rank must iterate to the end (or close the
+        files, device, dtype, reader, tensor_filter, tensor_name_match_mode, process_group,
+        cache_dir: as in `load`. With a group, every rank must iterate to the end (or close the
             iterator at the same point): the exchange needs all of them.
 
     Memory a yielded tensor keeps alive: the buffer of the group it was read with, at most
@@ -403,13 +438,16 @@ def stream(
     paths = _paths(files)
     patterns, mode = _filter_args(tensor_filter, tensor_name_match_mode, paths)
     target, cast = _device_name(device), cast_dtype(dtype)
+    cache = _cache_dir(cache_dir)
     if _shared(process_group):
-        shared = distributed.SharedLoad(paths, target, cast, reader, patterns, mode, process_group, budget, True)
+        shared = distributed.SharedLoad(paths, target, cast, reader, patterns, mode, process_group, budget, True,
+                                        cache_dir=cache)
         _nothing_selected(patterns, mode, shared.tensor_count, paths)
         return distributed.SharedTensors(shared)
-    handle = ops.open_stream(paths, target, cast, reader, patterns, mode, budget)
-    _nothing_selected(patterns, mode, handle.tensor_count(), paths)
-    return TensorIterator(handle)
+    with _opened(paths, cache) as (files, handle):
+        opened = ops.open_stream(files, target, cast, reader, patterns, mode, budget, handle)
+    _nothing_selected(patterns, mode, opened.tensor_count(), paths)
+    return TensorIterator(opened)
 
 
 class TensorIterator:
@@ -505,7 +543,7 @@ class safe_open:
     tensor not read yet reads only rows `[a, b)` from the file. Tensors stay valid after
     `close()`; the handle keeps what `get_tensor` read until it is closed. With several files,
     `metadata()` is the first file's. Each path is one `.safetensors` file: a directory or an
-    index is refused (load those with `load_file`).
+    index is refused (load those with `load_file`). `cache_dir`: as in `load`.
     """
 
     @_argument_errors
@@ -519,6 +557,7 @@ class safe_open:
         max_memory: Union[None, int, str] = None,
         reader: Optional[str] = None,
         nogds: Optional[bool] = None,
+        cache_dir: Optional[PathLike] = None,
     ):
         if framework not in ("pt", "torch", "pytorch"):
             raise ValueError(f"framework {framework!r} is not supported: only 'pt' (PyTorch)")
@@ -535,7 +574,8 @@ class safe_open:
         # transformers reads tensors from a thread pool: a file is read once however many ask.
         self._lock = threading.Lock()
         # The files, held open from here to close(): every op below reads them through it.
-        self._handle: int = ops.open_handle(self._paths)
+        cache = _cache_dir(cache_dir)
+        self._handle: int = ops.open_handle(self._paths, cache)
         try:
             if callable(tensor_filter):  # asked about the names of the files opened
                 self._patterns, self._mode = _filter_args(tensor_filter, tensor_name_match_mode, self._paths,

@@ -118,7 +118,7 @@ class SharedLoad:
 
     def __init__(self, paths: Sequence[str], device: str, dtype: Optional[torch.dtype], reader: Optional[str],
                  patterns: Optional[List[str]], mode: str, group: Any, max_memory: Optional[str], streamed: bool,
-                 handle: int = -1, chunk: int = 0):
+                 handle: int = -1, chunk: int = 0, cache_dir: Optional[str] = None):
         dist = _dist()
         self._dist = dist
         self._group = group
@@ -136,7 +136,7 @@ class SharedLoad:
         try:  # a failure here is every rank's: it goes to the others before raising
             self._check_backend()
             files = paths if not self._own_handle else checkpoint_files(paths)
-            self._handle = ops.open_handle(files) if self._own_handle else handle
+            self._handle = ops.open_handle(files, cache_dir) if self._own_handle else handle
             text = ops.share_load(files, dtype, patterns, mode, self.world, (max_memory or "") if streamed else None,
                                   chunk, self._handle)
             self.plan = json.loads(text)
@@ -295,7 +295,7 @@ def block(size: int, world: int, rank: int) -> Tuple[int, int]:
 
 def sharded_load(paths: Sequence[str], device: str, dtype: Optional[torch.dtype], reader: Optional[str],
                  patterns: Optional[List[str]], mode: str, group: Any,
-                 shard: Dict[str, int]) -> Dict[str, torch.Tensor]:
+                 shard: Dict[str, int], cache_dir: Optional[str] = None) -> Dict[str, torch.Tensor]:
     """A load where the tensors `shard` names (glob pattern -> dimension) come as this rank's
     block along that dimension, and every other selected tensor whole.
 
@@ -306,7 +306,7 @@ def sharded_load(paths: Sequence[str], device: str, dtype: Optional[torch.dtype]
     dist = _dist()
     world, rank = group_size(group), dist.get_rank(group)
     files = checkpoint_files(paths)
-    handle = ops.open_handle(files)
+    handle = ops.open_handle(files, cache_dir)
     try:
         selected = list(ops.selected(files, patterns, mode, handle))
         dtypes, shapes, file_of = _headers(files, handle)

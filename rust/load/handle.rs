@@ -47,10 +47,16 @@ impl OpenFiles {
     /// Opens `paths`, each one `.safetensors` file, and validates their headers and the names
     /// across them (a name in two files is an error).
     pub fn open(paths: &[PathBuf]) -> Result<OpenFiles> {
+        Self::open_cached(paths, None)
+    }
+
+    /// [`OpenFiles::open`], with `cache_dir` as the cache of the URLs' objects (`None`: the
+    /// one `$FASTSAFETENSORS_CACHE_DIR` names, if any).
+    pub fn open_cached(paths: &[PathBuf], cache_dir: Option<&Path>) -> Result<OpenFiles> {
         let mut sources: Vec<Arc<dyn Source>> = Vec::with_capacity(paths.len());
         for path in paths {
             checkpoint::check_single_file(path)?;
-            sources.push(source::open(path)?);
+            sources.push(source::open_cached(path, cache_dir)?);
         }
         Self::from_sources(sources)
     }

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc::{channel, Sender};
 
 use super::{Capabilities, Identity, LocalFile, Source};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::format::Header;
 use crate::settings::setting;
 
@@ -32,6 +32,14 @@ pub fn dir_from_env() -> Result<Option<PathBuf>> {
         std::fs::create_dir_all(&dir).ok()?;
         dir.is_dir().then_some(dir)
     })
+}
+
+/// `dir`, created if missing, as a cache directory; an error naming it where it cannot be.
+pub fn usable_dir(dir: &Path) -> Result<PathBuf> {
+    std::fs::create_dir_all(dir)
+        .and_then(|()| if dir.is_dir() { Ok(()) } else { Err(std::io::ErrorKind::NotADirectory.into()) })
+        .map_err(|e| Error::InvalidArgument(format!("cache_dir={}: not a usable directory ({e})", dir.display())))?;
+    Ok(dir.to_owned())
 }
 
 /// 64-bit FNV-1a: a stable name for a string (the same in every process and release).

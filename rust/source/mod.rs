@@ -16,6 +16,7 @@
 //! direct otherwise. A remote object is always read (with parallel ranged GETs, [`remote`]),
 //! unless the opt-in [`cache`] holds a whole copy of the version the store has now.
 
+pub mod aws_files;
 pub mod budget;
 pub mod cache;
 pub mod direct;
@@ -295,10 +296,20 @@ pub trait Source: Send + Sync {
 /// Opens what `path` names: an object for a URL (`s3://`, `gs://`, `az://`, `http(s)://`),
 /// else a local file.
 pub fn open(path: &Path) -> Result<Arc<dyn Source>> {
+    open_cached(path, None)
+}
+
+/// [`open`], with `cache_dir` as the cache of objects read (`None`: the one
+/// `$FASTSAFETENSORS_CACHE_DIR` names, if any).
+pub fn open_cached(path: &Path, cache_dir: Option<&Path>) -> Result<Arc<dyn Source>> {
     if remote::is_url(path) {
         let url = path.to_str().expect("a URL is UTF-8");
         let mut object = remote::RemoteObject::open(url)?;
-        if let Some(dir) = cache::dir_from_env()? {
+        let dir = match cache_dir {
+            Some(dir) => Some(cache::usable_dir(dir)?),
+            None => cache::dir_from_env()?,
+        };
+        if let Some(dir) = dir {
             // The version just read decides: its entry if it is there, else one is written.
             if let Some(hit) = cache::lookup(&dir, url, object.identity()) {
                 return Ok(Arc::new(hit));

@@ -12,7 +12,8 @@
 //!
 //! Credentials, endpoint and region come from the environment, as the builders' `from_env`
 //! read it (`AWS_ACCESS_KEY_ID`, `AWS_ENDPOINT_URL`, `AWS_REGION`, `AWS_SKIP_SIGNATURE`,
-//! `GOOGLE_SERVICE_ACCOUNT`, `AZURE_STORAGE_ACCOUNT_NAME`, ...). A plain `http://` endpoint is
+//! `GOOGLE_SERVICE_ACCOUNT`, `AZURE_STORAGE_ACCOUNT_NAME`, ...), and for S3 from the AWS CLI's
+//! files where no variable says ([`aws_files`]). A plain `http://` endpoint is
 //! allowed without `AWS_ALLOW_HTTP`: it is what a local server has. Requests are retried with
 //! backoff on 5xx, throttling and connection errors, within bounded timeouts, so that nothing
 //! hangs. Errors name the URL (its query string left out: it may hold a signature) and never
@@ -39,6 +40,7 @@ use tokio::runtime::Runtime;
 use tokio::sync::Semaphore;
 use url::Url;
 
+use super::aws_files;
 use super::cache::CacheWriter;
 use super::{Capabilities, Identity, LocalFile, Source};
 use crate::error::{Error, Result};
@@ -161,12 +163,18 @@ fn locate(url: &str) -> Result<Location> {
         key.push('/');
         key.push_str(parsed.path().trim_start_matches('/').split('/').next().unwrap_or(""));
     }
-    key.push_str(&format!("#{:x}", config_hash()));
+    // The AWS CLI's files, for S3 only: a profile's values are part of its store's identity.
+    let profile = match scheme {
+        ObjectStoreScheme::AmazonS3 => aws_files::profile_from_env()
+            .map_err(|reason| Error::RemoteConfig { url: shown(url), reason })?,
+        _ => None,
+    };
+    key.push_str(&format!("#{:x}", config_hash(&profile)));
     let mut stores = STORES.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
     let store = match stores.get(&key) {
         Some(store) => Arc::clone(store),
         None => {
-            let store = build_store(scheme, &parsed, url)?;
+            let store = build_store(scheme, &parsed, url, profile)?;
             stores.insert(key, Arc::clone(&store));
             store
         }
@@ -174,8 +182,9 @@ fn locate(url: &str) -> Result<Location> {
     Ok(Location { url: shown(url), store, path })
 }
 
-/// A hash of the environment variables the stores are configured from.
-fn config_hash() -> u64 {
+/// A hash of what the stores are configured from: the environment variables, and the AWS
+/// profile read from the CLI's files.
+fn config_hash(profile: &Option<aws_files::Profile>) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut vars: Vec<(String, String)> = std::env::vars()
         .filter(|(k, _)| ["AWS_", "GOOGLE_", "AZURE_", "FASTSAFETENSORS_REMOTE_"].iter().any(|p| k.starts_with(p)))
@@ -183,11 +192,18 @@ fn config_hash() -> u64 {
     vars.sort();
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     vars.hash(&mut hasher);
+    profile.hash(&mut hasher);
     hasher.finish()
 }
 
-/// A store for `url`'s scheme, configured from the environment.
-fn build_store(scheme: ObjectStoreScheme, parsed: &Url, url: &str) -> Result<Arc<dyn ObjectStore>> {
+/// A store for `url`'s scheme, configured from the environment (and for S3, where a variable
+/// gives no value, from the AWS CLI's `profile`).
+fn build_store(
+    scheme: ObjectStoreScheme,
+    parsed: &Url,
+    url: &str,
+    profile: Option<aws_files::Profile>,
+) -> Result<Arc<dyn ObjectStore>> {
     let settings = RemoteSettings::from_env()?;
     let retry = RetryConfig {
         backoff: BackoffConfig {
@@ -204,6 +220,9 @@ fn build_store(scheme: ObjectStoreScheme, parsed: &Url, url: &str) -> Result<Arc
     let store: Arc<dyn ObjectStore> = match scheme {
         ObjectStoreScheme::AmazonS3 => {
             let mut b = AmazonS3Builder::from_env().with_url(url).with_retry(retry);
+            if let Some(profile) = profile {
+                b = with_profile(b, profile);
+            }
             // AWS_ENDPOINT_URL is what the AWS CLI reads; object_store knows it as aws_endpoint.
             let endpoint = b.get_config_value(&AmazonS3ConfigKey::Endpoint);
             if endpoint.as_deref().is_some_and(|e| e.starts_with("http://")) {
@@ -246,6 +265,27 @@ fn build_store(scheme: ObjectStoreScheme, parsed: &Url, url: &str) -> Result<Arc
         _ => return Err(Error::InvalidUrl { url: shown(url), reason: "not an object store URL".to_owned() }),
     };
     Ok(store)
+}
+
+/// `b` with the profile's values where the environment gave none. Credentials go as a pair:
+/// a key id from the environment is never matched with a secret from a file.
+fn with_profile(mut b: AmazonS3Builder, profile: aws_files::Profile) -> AmazonS3Builder {
+    let unset = |b: &AmazonS3Builder, k| b.get_config_value(&k).is_none();
+    if unset(&b, AmazonS3ConfigKey::AccessKeyId) && unset(&b, AmazonS3ConfigKey::SecretAccessKey) {
+        if let (Some(id), Some(secret)) = (profile.access_key_id, profile.secret_access_key) {
+            b = b.with_access_key_id(id).with_secret_access_key(secret);
+            if let Some(token) = profile.session_token {
+                b = b.with_token(token);
+            }
+        }
+    }
+    if let (true, Some(region)) = (unset(&b, AmazonS3ConfigKey::Region), profile.region) {
+        b = b.with_region(region);
+    }
+    if let (true, Some(endpoint)) = (unset(&b, AmazonS3ConfigKey::Endpoint), profile.endpoint_url) {
+        b = b.with_endpoint(endpoint);
+    }
+    b
 }
 
 /// An object in a store, opened at one version: the [`Source`] for a URL.

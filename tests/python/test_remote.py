@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -400,6 +401,63 @@ def test_missing_credentials_are_named(s3_env, monkeypatch):
         fst.load_file(url)
 
 
+def _aws_files(tmp_path, monkeypatch, credentials: str, config: str) -> None:
+    """The AWS CLI's two files, written under a fresh HOME, and an environment without AWS_*."""
+    for k in list(os.environ):
+        if k.startswith("AWS_"):
+            monkeypatch.delenv(k)
+    (tmp_path / ".aws").mkdir()
+    (tmp_path / ".aws" / "credentials").write_text(credentials)
+    (tmp_path / ".aws" / "config").write_text(config)
+    monkeypatch.setenv("HOME", str(tmp_path))
+
+
+def test_the_aws_cli_files_give_credentials_region_and_endpoint(s3_env, local_models, tmp_path, monkeypatch):
+    """A machine set up with `aws configure --profile garage`: nothing in the environment but
+    AWS_PROFILE (then the same through the default profile)."""
+    _aws_files(tmp_path, monkeypatch,
+               f"[garage]\naws_access_key_id = {s3_env.key_id}\naws_secret_access_key = {s3_env.secret}\n",
+               f"[profile garage]\nregion = garage\nendpoint_url = {s3_env.endpoint}\ns3 =\n  addressing_style = path\n")
+    monkeypatch.setenv("AWS_PROFILE", "garage")
+    url = f"s3://{BUCKET}/single/all.safetensors"
+    U.assert_same_dict(fst.load_file(url), reference(local_models / "single" / "all.safetensors"))
+    # The environment wins over the files: a wrong key there is what is sent.
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "GK" + "0" * 24)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "0" * 64)
+    with pytest.raises(RuntimeError, match=rf"^{url}: access denied"):
+        fst.load_file(url)
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    # The default profile, in the files' other spelling.
+    monkeypatch.delenv("AWS_PROFILE")
+    (tmp_path / ".aws" / "credentials").write_text(
+        f"[default]\naws_access_key_id={s3_env.key_id}\naws_secret_access_key={s3_env.secret}\n")
+    (tmp_path / ".aws" / "config").write_text(f"[default]\nregion=garage\nendpoint_url={s3_env.endpoint}\n")
+    U.assert_same_dict(fst.load(f"s3://{BUCKET}/flat/"), reference_dir(local_models / "flat"))
+
+
+def test_unusable_aws_profiles_are_named_without_their_secrets(s3_env, tmp_path, monkeypatch):
+    secret = "do-not-print-" + "9" * 40
+    aws = tmp_path / ".aws"
+    url = f"s3://{BUCKET}/single/all.safetensors"
+    good = f"[default]\naws_access_key_id = {s3_env.key_id}\naws_secret_access_key = {secret}\n"
+    cases = [  # (AWS_PROFILE, credentials file, config file, the error)
+        ("absent", good, "", rf"^{url}: AWS_PROFILE=absent: no such profile in {aws}/credentials or {aws}/config$"),
+        ("assumed", good, "[profile assumed]\nrole_arn = arn:aws:iam::1:role/r\nsource_profile = default\n",
+         rf"^{url}: the AWS profile 'assumed' gets its credentials through role_arn, which this loader does not "
+         rf"follow: export them first"),
+        ("default", f"[default]\naws_secret_access_key {secret}\n", "",
+         rf"^{url}: {aws}/credentials, line 2: neither a \[section\] nor a key = value line$"),
+    ]
+    for profile, credentials, config, message in cases:
+        shutil.rmtree(aws, ignore_errors=True)
+        _aws_files(tmp_path, monkeypatch, credentials, config)
+        monkeypatch.setenv("AWS_PROFILE", profile)
+        with pytest.raises(RuntimeError, match=message) as raised:
+            fst.load_file(url)
+        assert secret not in str(raised.value)
+
+
 def test_malformed_remote_settings_are_named(s3_env, monkeypatch):
     # (Every load checks them: test_settings.py; here, a load of a URL.)
     monkeypatch.setenv("FASTSAFETENSORS_REMOTE_PART_SIZE", "tiny")
@@ -482,3 +540,30 @@ def test_a_partial_read_leaves_no_entry_and_a_partial_entry_is_never_read(http_s
     assert http_server.sent >= (local_models / "flat" / "a.safetensors").stat().st_size
     [entry] = _entries(cache, want=1)
     assert entry.read_bytes() == (local_models / "flat" / "a.safetensors").read_bytes()
+
+
+def test_cache_dir_is_an_argument_of_every_entry_point(http_server, local_models, tmp_path, monkeypatch):
+    monkeypatch.delenv("FASTSAFETENSORS_CACHE_DIR", raising=False)
+    cache = tmp_path / "by-argument"
+    url = f"{http_server.url}/big/model.safetensors"
+    ref = reference(local_models / "big" / "model.safetensors")
+    U.assert_same_dict(fst.load_file(url, cache_dir=cache), ref)
+    [entry] = _entries(cache, want=1)
+    assert entry.read_bytes() == (local_models / "big" / "model.safetensors").read_bytes()
+    # Each entry point then reads the entry: one GET (the object's version, with its header) each.
+    http_server.reset()
+    U.assert_same_dict(fst.load(url, cache_dir=str(cache)), ref)
+    U.assert_same_dict({n: t.clone() for n, t in fst.stream(url, max_memory="4M", cache_dir=cache)}, ref)
+    with fst.safe_open(url, framework="pt", cache_dir=cache) as f:
+        U.assert_same_tensor(f.get_tensor("b"), ref["b"])
+    assert len(http_server.requests) == 3 and http_server.sent <= 3 << 20, http_server.requests
+    # Without the argument (and no variable), nothing is cached: the bytes come again.
+    http_server.reset()
+    U.assert_same_dict(fst.load_file(url), ref)
+    assert http_server.sent >= (local_models / "big" / "model.safetensors").stat().st_size
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    with pytest.raises(ValueError, match=rf"cache_dir={not_a_dir}: not a usable directory"):
+        fst.load_file(url, cache_dir=not_a_dir)
+    with pytest.raises(TypeError, match="cache_dir= takes a directory path"):
+        fst.load_file(url, cache_dir=3)
