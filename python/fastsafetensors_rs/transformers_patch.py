@@ -28,6 +28,12 @@ replaces those names, in those modules only, with fastsafetensors equivalents:
 - a handle is safe to use from several threads (5.x materialises tensors from a thread pool):
   the file is still read exactly once.
 
+With `weights=` (a URL such as `s3://bucket/model/`, an index URL, or a local path), the
+model's configuration still comes from the `from_pretrained` argument, while its weight files
+are those `weights` stands for (`transformers.modeling_utils._get_resolved_checkpoint_files`
+is replaced too): a model whose weights sit in an object store loads from a folder holding
+only its `config.json`.
+
 Everything transformers does after reading is untouched: `dtype`/`torch_dtype` casts,
 `device_map` placement (cpu, cuda, "auto"), sharded checkpoints with
 `model.safetensors.index.json`, weight renaming, quantizers. Requests the loader cannot serve
@@ -46,7 +52,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from . import api
+from . import _ops, api
 from .api import Device, PathLike
 
 logger = logging.getLogger("fastsafetensors_rs")
@@ -61,11 +67,14 @@ PATCH_POINTS: Tuple[Tuple[str, str, str], ...] = (
     ("transformers.integrations.accelerate", "safe_open", "safe_open"),
     ("transformers.modeling_utils", "safe_load_file", "load_file"),
     ("transformers.trainer_utils", "safe_load_file", "load_file"),
+    # Where from_pretrained finds the weight files: replaced to serve `weights=`.
+    ("transformers.modeling_utils", "_get_resolved_checkpoint_files", "checkpoint_files"),
 )
 
 _lock = threading.RLock()
 _originals: Dict[Tuple[str, str], Any] = {}  # what each patched name held before
 _options: Dict[str, Any] = {}
+_weights: Dict[str, str] = {}  # {"weights": where from_pretrained's weight files are}, if set
 
 
 class PatchedSafeOpen(api.safe_open):
@@ -123,7 +132,32 @@ def _make_load_file(original: Callable[..., Any]) -> Callable[..., Any]:
     return load_file
 
 
-_FACTORIES = {"safe_open": _make_safe_open, "load_file": _make_load_file}
+def _weight_files(weights: str) -> Tuple[List[str], Optional[Dict[str, Any]]]:
+    """What transformers' `_get_resolved_checkpoint_files` returns, for the checkpoint
+    `weights` stands for: its files, and for several files the index transformers reads
+    (every tensor's name, and the file holding it)."""
+    files = _ops.checkpoint_files([weights])
+    logger.debug("from_pretrained: weights from %s (%d files)", weights, len(files))
+    if len(files) == 1:
+        return files, None
+    weight_map = {}
+    for file in files:
+        for name in _ops.ops.keys(file):
+            weight_map[name] = file.rsplit("/", 1)[-1]
+    return files, {"all_checkpoint_keys": list(weight_map), "weight_map": weight_map}
+
+
+def _make_checkpoint_files(original: Callable[..., Any]) -> Callable[..., Any]:
+    def resolve(*args, **kwargs):
+        weights = _weights.get("weights")
+        return original(*args, **kwargs) if weights is None else _weight_files(weights)
+
+    resolve.__wrapped__ = original  # type: ignore[attr-defined]
+    resolve._fastsafetensors = True  # type: ignore[attr-defined]
+    return resolve
+
+
+_FACTORIES = {"safe_open": _make_safe_open, "load_file": _make_load_file, "checkpoint_files": _make_checkpoint_files}
 
 
 def _import_transformers() -> None:
@@ -151,23 +185,33 @@ def is_transformers_patched() -> bool:
         return bool(_originals)
 
 
-def patch_transformers(reader: Optional[str] = None, nogds: Optional[bool] = None) -> List[str]:
+def patch_transformers(reader: Optional[str] = None, nogds: Optional[bool] = None,
+                       weights: Optional[PathLike] = None) -> List[str]:
     """Makes transformers read `.safetensors` files through fastsafetensors, process-wide.
 
     Args:
         reader: the loader's reader for every file ("auto", "direct", "mmap"); None keeps the
             default (`$FASTSAFETENSORS_READER`, else "auto").
         nogds: for CUDA loads, as in `fastsafetensors_rs.load`.
+        weights: where `from_pretrained` takes the weight files from, whatever model path it
+            is given (which still gives the configuration): a URL (`s3://bucket/model/`, an
+            index URL) or a local file, directory or index. Best given to
+            `patched_transformers()`, around one `from_pretrained`. None: the model path's own.
 
     Returns the patched names ("module.attribute"). Calling it again only updates the
     options. Undo with `unpatch_transformers()`. Raises ImportError without transformers,
     ValueError or TypeError for a malformed option.
     """
     reader, nogds = api._reader(reader), api._nogds(nogds)
+    if weights is not None and not isinstance(weights, (str, os.PathLike)):
+        raise TypeError(f"weights= takes a URL or a path, not {type(weights).__name__}")
     _import_transformers()
     with _lock:
         _options.clear()
         _options.update({k: v for k, v in (("reader", reader), ("nogds", nogds)) if v is not None})
+        _weights.clear()
+        if weights is not None:
+            _weights["weights"] = os.fspath(weights)
         patched = []
         for module, attr, kind in _targets():
             key = (module.__name__, attr)
@@ -198,18 +242,23 @@ def unpatch_transformers() -> None:
             logger.debug("transformers unpatched")
         _originals.clear()
         _options.clear()
+        _weights.clear()
 
 
 @contextlib.contextmanager
-def patched_transformers(reader: Optional[str] = None, nogds: Optional[bool] = None) -> Iterator[None]:
-    """`patch_transformers()` for the duration of a `with` block.
+def patched_transformers(reader: Optional[str] = None, nogds: Optional[bool] = None,
+                         weights: Optional[PathLike] = None) -> Iterator[None]:
+    """`patch_transformers()` for the duration of a `with` block:
+
+        with fastsafetensors_rs.patched_transformers(weights="s3://bucket/llama-3-8b/"):
+            model = AutoModelForCausalLM.from_pretrained("./llama-3-8b-config")
 
     On exit the previous state comes back: if transformers was already patched globally, it
     stays patched (with its previous options)."""
     with _lock:
         was_patched = bool(_originals)
-        previous = dict(_options)
-        patch_transformers(reader=reader, nogds=nogds)
+        previous, previous_weights = dict(_options), dict(_weights)
+        patch_transformers(reader=reader, nogds=nogds, weights=weights)
     try:
         yield
     finally:
@@ -217,5 +266,7 @@ def patched_transformers(reader: Optional[str] = None, nogds: Optional[bool] = N
             if was_patched:
                 _options.clear()
                 _options.update(previous)
+                _weights.clear()
+                _weights.update(previous_weights)
             else:
                 unpatch_transformers()

@@ -305,6 +305,33 @@ def test_loader_options_reach_the_loader(saved_models, load_calls, monkeypatch):
     assert seen == ["mmap"]
 
 
+def test_weights_from_a_url_with_the_configuration_from_a_folder(saved_models, tmp_path, load_calls):
+    """`weights=`: the configuration from a folder without weights, the weight files from an
+    HTTP server with range support (one file; shards through their index URL)."""
+    from remote_servers import FileServer
+
+    root = saved_models[("llama", False)][0].parent
+    with FileServer(root) as server:
+        for sharded, rel in ((False, "llama-single/model.safetensors"),
+                             (True, "llama-sharded/model.safetensors.index.json")):
+            directory, cls = saved_models[("llama", sharded)]
+            config_only = tmp_path / f"config-{sharded}"
+            config_only.mkdir()
+            (config_only / "config.json").write_bytes((directory / "config.json").read_bytes())
+            stock = cls.from_pretrained(str(directory))
+            load_calls.clear()
+            with fastsafetensors_rs.patched_transformers(weights=f"{server.url}/{rel}"):
+                ours = cls.from_pretrained(str(config_only))
+            _assert_identical(stock, ours, "llama")
+            read = sorted({f for call in load_calls for f in call})
+            assert read == sorted(f"{server.url}/{directory.name}/{Path(f).name}" for f in _shards(directory)), read
+            # Out of the block, the folder's own (absent) weights are looked for again.
+            with pytest.raises(OSError):
+                cls.from_pretrained(str(config_only))
+    with pytest.raises(TypeError, match="weights= takes a URL or a path"):
+        fastsafetensors_rs.patch_transformers(weights=3)
+
+
 # ------------------------------------------------------------------------ patch state
 
 
