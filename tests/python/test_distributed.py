@@ -208,6 +208,15 @@ class Worker:
         return results
 
 
+    def remote(self) -> dict:
+        """The files from an HTTP server (their URLs in $FST_REMOTE_FILES): the ranks split the
+        ranged GETs as they split local reads."""
+        import fastsafetensors_rs as fst
+
+        urls = os.environ["FST_REMOTE_FILES"].split(",")
+        return {"tensors": fst.load(urls, process_group=self.group)}
+
+
 def owned(value):
     """`value` with every tensor copied out of the buffer it is a view of (torch.save refuses
     views of one buffer as different types)."""
@@ -402,3 +411,36 @@ def test_node_groups_read_once_per_node_and_the_world_once_per_job(ckpt, ref):
         assert r["nodes"]["again"]
         U.assert_same_dict(r["nodes"]["node"]["tensors"], ref)
         U.assert_same_dict(r["nodes"]["world"]["tensors"], ref)
+
+
+def _data_bytes_fetched(server, sizes: dict) -> int:
+    """Bytes of the ranged GETs `server` answered, but for the first GET of each open (the
+    first MiB, header included, which every rank fetches to plan)."""
+    total = 0
+    for method, path, byte_range in server.requests:
+        if method != "GET" or byte_range == "bytes=0-1048575":
+            continue
+        first, last = map(int, byte_range.removeprefix("bytes=").split("-"))
+        total += min(last + 1, sizes[path.rsplit("/", 1)[-1]]) - first
+    return total
+
+
+def test_ranks_split_the_ranged_gets_of_remote_files(ckpt, ref, monkeypatch):
+    """URLs with `process_group=`: the data GETs of 2 ranks together fetch what one process
+    alone does (parts of 512 KiB, so that no data GET looks like a header's)."""
+    from remote_servers import FileServer
+
+    monkeypatch.setenv("FASTSAFETENSORS_REMOTE_PART_SIZE", "512K")
+    sizes = {f: (ckpt / f).stat().st_size for f in FILES}
+    fetched = {}
+    with FileServer(ckpt) as server:
+        urls = ",".join(f"{server.url}/{f}" for f in FILES)
+        for n in (1, 2):
+            server.reset()
+            ranks = run_ranks(ckpt, "remote", n, env_of=lambda r: {"FST_REMOTE_FILES": urls})
+            for r in ranks:
+                U.assert_same_dict(r["remote"]["tensors"], ref)
+            fetched[n] = _data_bytes_fetched(server, sizes)
+    # One process fetches the big file past its first MiB in data GETs at least.
+    assert fetched[1] >= sizes[FILES[0]] - (1 << 20), fetched
+    assert fetched[2] <= fetched[1] * 1.1, fetched
