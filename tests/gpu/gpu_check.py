@@ -31,6 +31,8 @@ any check failed, 0 otherwise (also on machines without CUDA, where nothing can 
                 device memory through the staging ring and all-gathered by NCCL, bit-exact
                 with a cast and a filter; a world of one on one GPU, and of 2 ranks (torchrun)
                 where there are two GPUs
+  remote        an http:// URL (the tests' HTTP range server, on this machine's loopback)
+                loaded and streamed to the GPU through the staging ring, bit-exact
   throughput    cold and warm, each path against safetensors' safe_open(device="cuda") and
                 the limits (dd iflag=direct, pinned host-to-device), outputs compared
 
@@ -561,6 +563,31 @@ def fanout(tmp: str, pattern: str) -> None:
         result.get("error", ""))
 
 
+@guarded("remote", "remote to cuda")
+def remote(tmp: str, pattern: str) -> None:
+    """A URL loaded to the GPU: the HTTP range server of the remote-source tests, on this
+    machine's loopback, serving the pattern file (the parts land in the pinned staging ring)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+    from pathlib import Path
+
+    from remote_servers import FileServer
+
+    with FileServer(Path(pattern).parent) as server:
+        url = f"{server.url}/{os.path.basename(pattern)}"
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        tensors, paths = load([url])
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        ok = paths == ["remote"] and all(t.is_cuda for t in tensors.values()) and pattern_exact(tensors)
+        size = os.path.getsize(pattern)
+        row("remote", ok, "http:// URL to cuda through the staging ring: bit-exact",
+            f"read path {paths}, {size / seconds / 1e9:.2f} GB/s from a Python HTTP server on loopback")
+        del tensors
+        streamed = dict(fastsafetensors_rs.stream(url, device="cuda", max_memory="128M"))
+        row("remote", pattern_exact(streamed), "http:// URL streamed to cuda (max_memory=128M): bit-exact")
+
+
 @guarded("streaming", "streaming to cuda")
 def streaming(tmp: str) -> None:
     """stream(..., device="cuda"), a filter, a dtype, and the device memory a stream holds: for
@@ -818,6 +845,8 @@ def main() -> int:
         streaming(tmp)
         print("fan-out")
         guarded("fan-out", "fan-out")(fanout)(tmp, small_pattern)
+        print("remote")
+        remote(tmp, small_pattern)
         print("staging")
         staging(tmp)
         print("GDS")
