@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import secrets
 import os
 import shutil
@@ -45,9 +46,9 @@ BUCKET = "bench"
 
 OURS = """
 import sys, time, fastsafetensors_rs as fst
-start = time.perf_counter()
+start, cpu = time.perf_counter(), time.process_time()
 tensors = fst.load(sys.argv[1])  # every byte is in memory when it returns (nothing is mapped)
-print(time.perf_counter() - start)
+print(time.perf_counter() - start, time.process_time() - cpu)
 """
 
 BOTO3 = """
@@ -55,7 +56,7 @@ import sys, time, boto3, concurrent.futures as cf
 from botocore.config import Config
 bucket, keys, streams, part = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]), int(sys.argv[4])
 s3 = boto3.client("s3", config=Config(max_pool_connections=streams, s3={"addressing_style": "path"}))
-start = time.perf_counter()
+start, cpu = time.perf_counter(), time.process_time()
 sizes = {k: s3.head_object(Bucket=bucket, Key=k)["ContentLength"] for k in keys}
 def get(job):
     k, a, b = job
@@ -64,7 +65,7 @@ jobs = [(k, a, min(a + part, n) - 1) for k, n in sizes.items() for a in range(0,
 with cf.ThreadPoolExecutor(streams) as pool:
     got = sum(pool.map(get, jobs))
 assert got == sum(sizes.values())
-print(time.perf_counter() - start)
+print(time.perf_counter() - start, time.process_time() - cpu)
 """
 
 
@@ -75,13 +76,13 @@ RUNAI = """
 import os, sys, time
 from runai_model_streamer import SafetensorsStreamer
 files = sys.argv[1].split(",")
-start = time.perf_counter()
+start, cpu = time.perf_counter(), time.process_time()
 kept = []
 with SafetensorsStreamer() as streamer:
     streamer.stream_files(files)
     for name, tensor in streamer.get_tensors():
         kept.append(tensor)
-print(time.perf_counter() - start)
+print(time.perf_counter() - start, time.process_time() - cpu)
 """
 # What Run:ai's S3 client is told: path-style requests to the local endpoint.
 RUNAI_ENV = {"RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"}
@@ -101,19 +102,28 @@ def curl_config(garage: Garage, keys: list[str], sizes: list[int], part: int, ou
     return "\n".join(lines[:-1]) + "\n"
 
 
-def run(cmd: list[str], env: dict) -> float:
+def children_cpu() -> float:
+    """CPU seconds (user + system) of the processes this one has run and waited for."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run(cmd: list[str], env: dict) -> tuple[float, float]:
+    """A Python client, which times itself after its imports: (wall, CPU) seconds it prints."""
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"{cmd[:3]} failed: {proc.stderr.strip()[-500:]}")
-    return float(proc.stdout.strip().splitlines()[-1])
+    wall, used = proc.stdout.strip().splitlines()[-1].split()
+    return float(wall), float(used)
 
 
-def timed(cmd: list[str], env: dict) -> float:
-    start = time.perf_counter()
+def timed(cmd: list[str], env: dict) -> tuple[float, float]:
+    """A command timed whole: (wall, CPU) seconds."""
+    cpu, start = children_cpu(), time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"{cmd[:3]} failed: {proc.stderr.strip()[-500:]}")
-    return time.perf_counter() - start
+    return time.perf_counter() - start, children_cpu() - cpu
 
 
 def main() -> int:
@@ -163,7 +173,7 @@ def main() -> int:
             if args.netns and not add_delay(args.rtt_ms):
                 return 0
 
-            def curl_shm() -> float:
+            def curl_shm() -> tuple[float, float]:
                 try:
                     return timed(["curl", "--parallel", "--parallel-max", str(args.streams), "-K", str(cfg_shm)], env)
                 finally:
@@ -180,10 +190,13 @@ def main() -> int:
                                      {**env, **RUNAI_ENV}),
             }
             seconds: dict[str, list[float]] = {name: [] for name in loaders}
+            cpu: dict[str, list[float]] = {name: [] for name in loaders}
             for r in range(args.runs):
                 order = loaders[r % len(loaders):] + loaders[:r % len(loaders)]
                 for name in order:
-                    seconds[name].append(commands[name]())
+                    wall, used = commands[name]()
+                    seconds[name].append(wall)
+                    cpu[name].append(used)
         finally:
             garage.stop()
             if "shm" in locals():
@@ -193,12 +206,17 @@ def main() -> int:
     rtt = f", {args.rtt_ms:g} ms added round-trip time (netem)" if args.rtt_ms else ""
     print(f"{len(files)} file(s), {total / 1e9:.2f} GB in Garage on 127.0.0.1{rtt}, median of {args.runs}; "
           f"references: {args.streams} parallel ranged GETs of {args.part_mb} MiB (curl-1stream: one at a time)")
+    cpu_per_gb = {name: statistics.median(c) / (total / 1e9) for name, c in cpu.items()}
+    print("  (client CPU: user + system seconds per GB of the client process, after its imports; "
+          "the server's own is not counted)")
     for name in loaders:
         print(f"  {name:<20} {statistics.median(seconds[name]) * 1e3:9.1f} ms {rate[name]:7.2f} GB/s"
+              f"  client CPU {cpu_per_gb[name]:5.2f} s/GB"
               + ("" if name == "fastsafetensors_rs" else
                  f"   (ours {rate['fastsafetensors_rs'] / rate[name]:.2f}x)"))
     if args.json:
-        args.json.write_text(json.dumps({"bytes": total, "seconds": seconds, "gb_per_s": rate}, indent=1))
+        args.json.write_text(json.dumps({"bytes": total, "seconds": seconds, "cpu_seconds": cpu, "gb_per_s": rate,
+                                         "client_cpu_s_per_gb": cpu_per_gb}, indent=1))
     return 0
 
 
