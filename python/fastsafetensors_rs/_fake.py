@@ -1,5 +1,5 @@
-"""Fake (meta) kernels, so that FakeTensorMode, `make_fx`, `torch.export` and `torch.compile`
-can trace code that calls the ops without reading any tensor data.
+"""Fake (meta) kernels, so that FakeTensorMode and `torch.compile` can trace code that calls
+the ops without reading any tensor data.
 
 `fastsafetensors::load` has no tensor inputs: its outputs follow from the files' headers
 alone. The fake kernel resolves directories and indexes as `load` does, reads each header
@@ -9,7 +9,8 @@ and device rules. `keys`, `metadata` and `describe` return no tensors and run as
 under fake modes. `load_with_report` has no fake kernel: how each file will be read (its
 third output) is decided at run time and cannot be known from the headers.
 
-`make_fx` and `torch.export(..., strict=False)` record the op as a node of the graph.
+`make_fx` and `torch.export` cannot record `load`: FX graphs keep no `str[]` output, and the
+names come as one since the stable ABI has no Dict return.
 """
 
 from __future__ import annotations
