@@ -60,8 +60,8 @@ def incompatibility(built: dict, running: dict) -> str | None:
     if built.get("abi") == STABLE:
         minimum = built["min_torch"]
         if minor_release(running["torch"]) < minor_release(minimum):
-            return (f"fastsafetensors_rs needs torch>={minimum} (it is built on LibTorch's stable ABI, which "
-                    f"it uses as of torch {minimum}), but this environment has torch {running['torch']}. "
+            return (f"fastsafetensors_rs needs torch>={minimum}: its library is built on LibTorch's stable ABI "
+                    f"as torch {minimum} defines it, and this environment has torch {running['torch']}. "
                     f"Upgrade torch, or {SOURCE_BUILD}")
         return None
     if minor_release(built["torch"]) != minor_release(running["torch"]):
