@@ -358,7 +358,8 @@ def test_sdist_builds_a_wheel_that_works_in_a_fresh_venv(scratch, checkpoint):
         pkg_info = tar.extractfile(next(m for m in tar.getmembers() if m.name.endswith("/PKG-INFO"))).read().decode()
         tar.extractall(scratch / "src", filter="data")
     for required in ["Cargo.toml", "Cargo.lock", "rust/lib.rs", "rust/build.rs", "rust/bridge.rs",
-                     "csrc/ops.cpp", "setup.py", "pyproject.toml", "README.md", "LICENSE",
+                     "csrc/ops.cpp", "csrc/torch_api.h", "csrc/torch_api_stable.h",
+                     "csrc/torch_api_aten.h", "setup.py", "pyproject.toml", "README.md", "LICENSE",
                      "build_backend/fastsafetensors_build.py",
                      "python/fastsafetensors_rs/__init__.py", "python/fastsafetensors_rs/compat/__init__.py"]:
         assert required in names, f"{required} missing from {sdist.name}"
