@@ -9,7 +9,7 @@ SOURCES := $(shell find rust csrc python/fastsafetensors_rs build_backend \
                 -name '*.rs' -o -name '*.cpp' -o -name '*.h' -o -name '*.py') \
            Cargo.toml Cargo.lock setup.py pyproject.toml MANIFEST.in README.md LICENSE
 
-.PHONY: all venv build dev demo test test-rust test-python test-install bench gpu-check clean tf4 cpp-example
+.PHONY: all venv build wheel dev demo test test-rust test-python test-install bench gpu-check clean tf4 cpp-example
 .PHONY: garage test-remote bench-remote
 .PHONY: fuzz sanitize sanitize-rust sanitize-cpp test-vllm
 
@@ -50,6 +50,28 @@ $(INSTALLED): $(DEPS) $(SOURCES)
 	touch $@
 
 build: $(INSTALLED)
+
+# ---------------------------------------------------------------- the released wheel
+# `make wheel`: the wheel users `pip install` with no compiler, into any environment with torch
+# 2.11 or newer. It is the wheel `make build` makes (against .venv's torch, which is >= 2.11: the
+# library is the stable-ABI one, which the recipe checks), tagged manylinux by auditwheel.
+# libtorch and the CUDA libraries are the user's torch's: never vendored (--exclude). The
+# platform is the oldest manylinux policy the library's symbols satisfy (manylinux_2_34 when
+# built on glibc 2.36; WHEEL_PLAT=... to ask for one). .github/workflows/release.yml runs this.
+RELEASE_DIR := dist/release
+WHEEL_PLAT  ?= auto
+WHEEL_KEEP_OUT := 'libtorch*.so' 'libc10*.so' 'libcu*.so*' 'libnv*.so*'
+
+wheel: $(INSTALLED)
+	$(PY) -c 'import glob, json, sys, zipfile; \
+	    w = glob.glob("$(WHEEL_DIR)/fastsafetensors_rs-*.whl")[0]; \
+	    info = json.loads(zipfile.ZipFile(w).read("fastsafetensors_rs/_build_info.json")); \
+	    sys.exit(None if info.get("abi") == "stable" else f"{w}: not the stable-ABI library: {info}")'
+	rm -rf $(RELEASE_DIR)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m auditwheel repair --plat $(WHEEL_PLAT) \
+		$(addprefix --exclude ,$(WHEEL_KEEP_OUT)) \
+		-w $(RELEASE_DIR) $(WHEEL_DIR)/fastsafetensors_rs-*.whl
+	@ls $(RELEASE_DIR)/*.whl
 
 # The quick loop while editing: an editable install, python/ used in place (run `make dev`
 # again after a Rust or C++ change). `make build` and `make test` put the wheel back.
@@ -98,14 +120,16 @@ garage: $(GARAGE)
 
 # ---------------------------------------------------------------- install paths, torch range
 # The project installed as users install it, each checked from outside the source tree
-# (tests/install): default build isolation (stops at once), the sdist alone, the wheel in a
-# fresh venv with the source gone, and `pip install --no-build-isolation .` in fresh venvs
-# with each torch of FASTSAFETENSORS_TORCH_RANGE (default 2.8.0 2.14.0; .venv has 2.15.0),
-# running the core round-trip tests there. Needs the registry (torch, ~3 GB per release,
-# through pip's cache) and ~15 GB of scratch space in $TMPDIR, freed as it goes.
+# (tests/install): the released wheel (`make wheel`) in fresh venvs with torch 2.11, 2.14
+# (beside IBM's fastsafetensors) and 2.15 and no compiler on PATH, running the core tests
+# there, and its clear error under torch 2.10; default build isolation (stops at once), the
+# sdist alone, the wheel built from it in a fresh venv with the source gone, and `pip install
+# --no-build-isolation .` in fresh venvs with each torch of FASTSAFETENSORS_TORCH_RANGE
+# (default 2.8.0: the per-torch library). Needs the registry (torch, ~3 GB per release, into
+# pip's temporary space) and ~6 GB of scratch space in $TMPDIR at a time, freed as it goes.
 INSTALL_TEST_ARGS ?=
 
-test-install: build
+test-install: wheel
 	$(PY) -m pytest tests/install -v -s --durations=0 -p no:cacheprovider $(INSTALL_TEST_ARGS)
 
 # transformers 4.57 beside the 5.x in .venv, for the second run of the transformers tests.

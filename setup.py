@@ -6,9 +6,16 @@ from 64 on can build it with `--no-build-isolation` (the SPDX `license` string o
 needs setuptools 77). torch is imported only when the extension is built: a source
 distribution needs no torch.
 
+Which library: with torch 2.11 or newer, one built on LibTorch's stable ABI (csrc/torch_api_stable.h),
+which then loads under every torch from 2.11 on (the released wheel is this one); with torch 2.8
+to 2.10, one compiled for that torch release alone (csrc/torch_api_aten.h). Both register the same
+ops with the same schemas.
+
 Environment:
   DEBUG=1                          keep debug info in the extension (release builds strip it)
   FASTSAFETENSORS_CARGO_PROFILE    cargo profile of the staticlib (default: release)
+  FASTSAFETENSORS_ABI              `stable` or `torch`: which of the two libraries (default:
+                                   stable where the torch building it is 2.11 or newer)
 
 cargo always builds in target/ beside this file, whatever CARGO_TARGET_DIR says: a target
 directory shared by two source trees hands the library of whichever built first to the other
@@ -88,12 +95,13 @@ def _torch_build_ext():
             f"environment has torch {torch.__version__}"
         )
     build_info = _build_info_module()
+    abi = _abi(release, build_info)
     profile = os.environ.get("FASTSAFETENSORS_CARGO_PROFILE", "release")
     target = os.path.join(ROOT, "target")
     cargo_out = os.path.join(target, "debug" if profile == "dev" else profile)
     staticlib = os.path.join(cargo_out, "libfastsafetensors.a")
     cxxbridge = os.path.join(target, "cxxbridge")
-    info = dict(build_info.describe(torch), profile=profile, debug=_debug())
+    info = dict(build_info.record(torch, abi), profile=profile, debug=_debug())
 
     class BuildWithCargo(BuildExtension):
         """Runs `cargo build` first (the extension links the staticlib and includes the
@@ -102,8 +110,8 @@ def _torch_build_ext():
 
         def finalize_options(self):
             super().finalize_options()
-            # Object files of one torch are never reused for another.
-            self.build_temp = os.path.join(self.build_temp, f"torch-{torch.__version__}-{profile}")
+            # Object files of one torch (or library kind) are never reused for another.
+            self.build_temp = os.path.join(self.build_temp, f"torch-{torch.__version__}-{abi}-{profile}")
 
         def build_extensions(self):
             if shutil.which("cargo") is None:
@@ -138,12 +146,23 @@ def _torch_build_ext():
             torch_ext = CppExtension(ext.name, ext.sources, py_limited_api=True)
             ext.include_dirs = torch_ext.include_dirs + [cxxbridge]
             ext.library_dirs = torch_ext.library_dirs
-            ext.libraries = torch_ext.libraries
             ext.language = torch_ext.language
+            if abi == build_info.STABLE:
+                # The stable headers only (torch/library.h and ATen refuse to compile with
+                # TORCH_TARGET_VERSION set), targeting the oldest torch the library supports;
+                # the C shims they call are in libtorch_cpu.
+                major, minor = build_info.MIN_STABLE_TORCH
+                ext.define_macros = [("FASTSAFETENSORS_STABLE_ABI", None),
+                                     ("TORCH_TARGET_VERSION", f"0x{major:02x}{minor:02x}000000000000")]
+                ext.libraries = ["torch_cpu"]
+            else:
+                ext.libraries = torch_ext.libraries
             ext.py_limited_api = True
             ext.extra_objects = [staticlib]
             # A Rust change reaches the extension through the staticlib's timestamp.
-            ext.depends = [staticlib, os.path.join(cxxbridge, "rust", "cxx.h")]
+            ext.depends = [staticlib, os.path.join(cxxbridge, "rust", "cxx.h"),
+                           *(os.path.join(ROOT, "csrc", h) for h in os.listdir(os.path.join(ROOT, "csrc"))
+                             if h.endswith(".h"))]
             ext.extra_compile_args = ["-O2", "-fvisibility=hidden"] + (["-g"] if info["debug"] else [])
             ext.extra_link_args = (
                 # Keep the Rust runtime's symbols private to this library.
@@ -154,6 +173,21 @@ def _torch_build_ext():
             )
 
     return BuildWithCargo
+
+
+def _abi(release, build_info) -> str:
+    """Which library to build for torch `release`: FASTSAFETENSORS_ABI, else the stable-ABI one
+    where this torch has what it needs."""
+    stable = release >= build_info.MIN_STABLE_TORCH
+    chosen = os.environ.get("FASTSAFETENSORS_ABI") or (build_info.STABLE if stable else build_info.PER_TORCH)
+    if chosen not in (build_info.STABLE, build_info.PER_TORCH):
+        raise SystemExit(f"fastsafetensors-rs: FASTSAFETENSORS_ABI={chosen!r}: expected "
+                         f"{build_info.STABLE!r} or {build_info.PER_TORCH!r}")
+    if chosen == build_info.STABLE and not stable:
+        raise SystemExit(f"fastsafetensors-rs: the stable-ABI library needs torch>="
+                         f"{'.'.join(map(str, build_info.MIN_STABLE_TORCH))} to build against; this "
+                         f"environment has torch {'.'.join(map(str, release))}")
+    return chosen
 
 
 def _remove_other_builds(library):

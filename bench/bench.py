@@ -178,7 +178,8 @@ def load(loader: str, files: list[str]) -> dict[str, Any]:
 
     kind, _, option = loader.partition(":")
     if kind == "ours":  # one call for all files
-        return torch.ops.fastsafetensors.load(files, reader=option or None)
+        names, tensors = torch.ops.fastsafetensors.load(files, reader=option or None)
+        return dict(zip(names, tensors))
     if kind == "ours-file":
         import fastsafetensors_rs
         return {k: v for f in files for k, v in fastsafetensors_rs.load_file(f).items()}

@@ -159,7 +159,7 @@ def params_for(files: list[str], selected=None) -> dict[str, Any]:
 
     out = {}
     for f in files:
-        names, dtypes, shapes, _ = torch.ops.fastsafetensors.describe(f)
+        names, dtypes, shapes, *_ = torch.ops.fastsafetensors.describe(f)
         for n, d, s in zip(names, dtypes, shapes):
             if selected is None or n in selected:
                 out[n] = torch.zeros(torch_shape(d, s), dtype=DTYPES[d][0])
@@ -279,7 +279,7 @@ def moe_worker(variant: str, files: list[str], out: dict[str, Any]) -> dict[str,
 
     def run() -> int:
         if variant == "op":
-            return len(torch.ops.fastsafetensors.load(files))
+            return len(torch.ops.fastsafetensors.load(files)[0])
         if variant == "load":
             return len(fastsafetensors_rs.load(files))
         if variant == "load_file":

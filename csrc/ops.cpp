@@ -1,11 +1,12 @@
 // The torch ops of fastsafetensors. A translation layer only: the Rust loader decides what to
 // read, where it goes and what becomes of each tensor (a view, a copy, a cast); this file
-// allocates device memory through torch, wraps the buffers as at::Tensors, carries out those
+// allocates device memory through torch, wraps the buffers as tensors, carries out those
 // decisions with ATen ops, and registers the ops.
-#include <ATen/ATen.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
-#include <torch/library.h>
-
+//
+// Written against torch_api.h, which is either LibTorch's stable ABI (one library for every
+// torch from 2.11) or ATen (one torch release): the same ops and schemas either way. The
+// stable ABI has no Dict returns and no custom classes, so results are lists (names beside
+// tensors; metadata keys beside values) and a stream is an integer handle.
 #include <algorithm>
 #include <atomic>
 #include <memory>
@@ -18,17 +19,22 @@
 #include <unordered_map>
 #include <vector>
 
+#include "torch_api.h"
+
 #include "rust/cxx.h"
 #include "fastsafetensors/rust/bridge.rs.h"
 
 namespace fastsafetensors {
 namespace {
 
-using TensorDict = c10::Dict<std::string, at::Tensor>;
-using Metadata = std::optional<c10::Dict<std::string, std::string>>;
+using tt::ScalarType;
+using tt::Tensor;
+using Strings = std::vector<std::string>;
 // Names and tensors in read order (and how each file was read).
-using NamedTensors = std::tuple<std::vector<std::string>, std::vector<at::Tensor>>;
-using LoadResult = std::tuple<std::vector<std::string>, std::vector<at::Tensor>, std::vector<std::string>>;
+using NamedTensors = std::tuple<Strings, std::vector<Tensor>>;
+using LoadResult = std::tuple<Strings, std::vector<Tensor>, Strings>;
+// A header's metadata as keys and values; both None where it has no `__metadata__`.
+using Metadata = std::tuple<std::optional<Strings>, std::optional<Strings>>;
 
 // Calls into Rust, turning its errors into torch errors (RuntimeError in Python).
 template <class F>
@@ -36,32 +42,61 @@ auto call_rust(F&& f) -> decltype(f()) {
   try {
     return f();
   } catch (const ::rust::Error& e) {
-    TORCH_CHECK(false, e.what());
+    tt::fail(e.what());
   }
 }
 
 std::string_view view(const ::rust::String& s) { return {s.data(), s.size()}; }
 
 // The torch dtype of a safetensors dtype name (Rust has refused the names torch lacks).
-at::ScalarType scalar_type(std::string_view dtype) {
-  static const std::unordered_map<std::string_view, at::ScalarType> table = {
-      {"BOOL", at::kBool}, {"U8", at::kByte}, {"I8", at::kChar}, {"I16", at::kShort}, {"U16", at::kUInt16},
-      {"I32", at::kInt}, {"U32", at::kUInt32}, {"I64", at::kLong}, {"U64", at::kUInt64}, {"F16", at::kHalf},
-      {"BF16", at::kBFloat16}, {"F32", at::kFloat}, {"F64", at::kDouble}, {"C64", at::kComplexFloat},
-      {"F8_E4M3", at::kFloat8_e4m3fn}, {"F8_E5M2", at::kFloat8_e5m2}, {"F8_E4M3FNUZ", at::kFloat8_e4m3fnuz},
-      {"F8_E5M2FNUZ", at::kFloat8_e5m2fnuz}, {"F8_E8M0", at::kFloat8_e8m0fnu}, {"F4", at::kFloat4_e2m1fn_x2},
+ScalarType scalar_type(std::string_view dtype) {
+  static const std::unordered_map<std::string_view, ScalarType> table = {
+      {"BOOL", ScalarType::Bool}, {"U8", ScalarType::Byte}, {"I8", ScalarType::Char},
+      {"I16", ScalarType::Short}, {"U16", ScalarType::UInt16}, {"I32", ScalarType::Int},
+      {"U32", ScalarType::UInt32}, {"I64", ScalarType::Long}, {"U64", ScalarType::UInt64},
+      {"F16", ScalarType::Half}, {"BF16", ScalarType::BFloat16}, {"F32", ScalarType::Float},
+      {"F64", ScalarType::Double}, {"C64", ScalarType::ComplexFloat}, {"F8_E4M3", ScalarType::Float8_e4m3fn},
+      {"F8_E5M2", ScalarType::Float8_e5m2}, {"F8_E4M3FNUZ", ScalarType::Float8_e4m3fnuz},
+      {"F8_E5M2FNUZ", ScalarType::Float8_e5m2fnuz}, {"F8_E8M0", ScalarType::Float8_e8m0fnu},
+      {"F4", ScalarType::Float4_e2m1fn_x2},
   };
   auto it = table.find(dtype);
-  TORCH_CHECK(it != table.end(), "fastsafetensors: internal error: no torch dtype for ", std::string(dtype));
+  if (it == table.end()) tt::fail("fastsafetensors: internal error: no torch dtype for " + std::string(dtype));
   return it->second;
 }
 
-// torch's name for `dtype=` ("bfloat16"), or "" for none: Rust decides what it casts.
-std::string dtype_name(std::optional<at::ScalarType> dtype) {
-  return dtype ? std::string(c10::getDtypeNames(*dtype).first) : std::string();
+// torch's name for `dtype=` ("bfloat16"), or "" for none: Rust decides what it casts, and
+// names the dtype in its refusal ("dtype=torch.int8 is not supported").
+std::string dtype_name(std::optional<ScalarType> dtype) {
+  if (!dtype) return "";
+  switch (*dtype) {
+    case ScalarType::Half: return "float16";
+    case ScalarType::BFloat16: return "bfloat16";
+    case ScalarType::Float: return "float32";
+    case ScalarType::Double: return "float64";
+    case ScalarType::Bool: return "bool";
+    case ScalarType::Byte: return "uint8";
+    case ScalarType::Char: return "int8";
+    case ScalarType::Short: return "int16";
+    case ScalarType::Int: return "int32";
+    case ScalarType::Long: return "int64";
+    case ScalarType::UInt16: return "uint16";
+    case ScalarType::UInt32: return "uint32";
+    case ScalarType::UInt64: return "uint64";
+    case ScalarType::ComplexHalf: return "complex32";
+    case ScalarType::ComplexFloat: return "complex64";
+    case ScalarType::ComplexDouble: return "complex128";
+    case ScalarType::Float8_e4m3fn: return "float8_e4m3fn";
+    case ScalarType::Float8_e5m2: return "float8_e5m2";
+    case ScalarType::Float8_e4m3fnuz: return "float8_e4m3fnuz";
+    case ScalarType::Float8_e5m2fnuz: return "float8_e5m2fnuz";
+    case ScalarType::Float8_e8m0fnu: return "float8_e8m0fnu";
+    case ScalarType::Float4_e2m1fn_x2: return "float4_e2m1fn_x2";
+    default: return "dtype" + std::to_string(static_cast<int>(*dtype));
+  }
 }
 
-// One host buffer of the Rust loader, shared by the tensors in it: each tensor's DataPtr holds
+// One host buffer of the Rust loader, shared by the tensors in it: each tensor's storage holds
 // a count (its context), which costs no allocation per tensor (checkpoints of 100k tensors).
 class SharedBuffer {
  public:
@@ -72,7 +107,7 @@ class SharedBuffer {
 
   uint8_t* base() const { return base_; }
 
-  // A count for one more tensor, as a DataPtr context released by `release`.
+  // A count for one more tensor, as a storage context released by `release`.
   void* acquire() {
     refs_.fetch_add(1, std::memory_order_relaxed);
     return this;
@@ -97,65 +132,52 @@ using Buffer = std::unique_ptr<SharedBuffer, void (*)(SharedBuffer*)>;
 std::vector<int64_t> shape_of(const rs::TensorSpec& t) { return {t.shape.begin(), t.shape.end()}; }
 
 // A tensor over the bytes of `t` in a host buffer: a view keeping the buffer alive, or a copy.
-at::Tensor wrap_host(const rs::TensorSpec& t, SharedBuffer& buffer) {
+Tensor wrap_host(const rs::TensorSpec& t, SharedBuffer& buffer) {
   const auto type = scalar_type(view(t.dtype));
-  const auto options = at::TensorOptions().dtype(type).device(at::kCPU);
-  if (t.nbytes == 0) return at::empty(shape_of(t), options);
+  if (t.nbytes == 0) return tt::empty(shape_of(t), type, -1);
   auto* data = buffer.base() + t.offset;
-  if (!t.copy) {
-    return at::for_blob(data, shape_of(t)).context(buffer.acquire(), &SharedBuffer::release).options(options).make_tensor();
-  }
+  if (!t.copy) return tt::view_of<&SharedBuffer::release>(data, shape_of(t), type, buffer.acquire());
   // Copied as bytes into fresh, aligned memory, then reinterpreted.
-  auto bytes = at::from_blob(data, {static_cast<int64_t>(t.nbytes)}, at::TensorOptions(at::kByte));
-  return bytes.clone().view(type).view(shape_of(t));
+  return tt::reinterpret(tt::clone(tt::bytes_at(data, static_cast<int64_t>(t.nbytes))), type, shape_of(t));
 }
 
 // A tensor over the bytes of `t` in a device buffer whose byte 0 is at `start`: a view, so the
 // buffer (owned by torch's caching allocator) is freed when the last tensor into it dies, or
 // a copy on the device.
-at::Tensor wrap_device(const rs::TensorSpec& t, const at::Tensor& buffer, int64_t start) {
+Tensor wrap_device(const rs::TensorSpec& t, const Tensor& buffer, int64_t start) {
   const auto type = scalar_type(view(t.dtype));
-  if (t.nbytes == 0) return at::empty(shape_of(t), buffer.options().dtype(type));
-  auto bytes = buffer.narrow(0, start + static_cast<int64_t>(t.offset), static_cast<int64_t>(t.nbytes));
-  return (t.copy ? bytes.clone() : bytes).view(type).view(shape_of(t));
+  if (t.nbytes == 0) return tt::empty(shape_of(t), type, tt::device_index(buffer));
+  auto bytes = tt::narrow(buffer, start + static_cast<int64_t>(t.offset), static_cast<int64_t>(t.nbytes));
+  return tt::reinterpret(t.copy ? tt::clone(bytes) : bytes, type, shape_of(t));
 }
 
 // Adds a wrapped tensor, cast where Rust says so (on the tensor's device).
-void add(NamedTensors& out, const rs::TensorSpec& spec, at::Tensor t) {
+void add(NamedTensors& out, const rs::TensorSpec& spec, Tensor t) {
   std::get<0>(out).emplace_back(spec.name.data(), spec.name.size());
-  std::get<1>(out).push_back(spec.cast.empty() ? std::move(t) : t.to(scalar_type(view(spec.cast))));
+  std::get<1>(out).push_back(spec.cast.empty() ? std::move(t) : tt::cast(t, scalar_type(view(spec.cast))));
 }
 
-::rust::Vec<::rust::String> to_rust(const std::vector<std::string>& strings) {
+::rust::Vec<::rust::String> to_rust(const Strings& strings) {
   ::rust::Vec<::rust::String> out;
   out.reserve(strings.size());
   for (const auto& s : strings) out.push_back(::rust::String(s));
   return out;
 }
 
-std::vector<std::string> from_rust(const ::rust::Vec<::rust::String>& strings) {
-  return std::vector<std::string>(strings.begin(), strings.end());
-}
+Strings from_rust(const ::rust::Vec<::rust::String>& strings) { return Strings(strings.begin(), strings.end()); }
 
 // Which tensors to load: all, or those `tensor_filter` selects in `mode`.
-rs::TensorSelection selection(const std::optional<std::vector<std::string>>& tensor_filter, const std::string& mode) {
+rs::TensorSelection selection(const std::optional<Strings>& tensor_filter, const std::string& mode) {
   rs::TensorSelection out{tensor_filter.has_value(), {}, ::rust::String(mode)};
   if (tensor_filter) out.patterns = to_rust(*tensor_filter);
   return out;
 }
 
-TensorDict to_dict(NamedTensors&& named) {
-  auto& [names, tensors] = named;
-  TensorDict out;
-  out.reserve(names.size());
-  for (size_t i = 0; i < names.size(); ++i) out.insert(std::move(names[i]), std::move(tensors[i]));
-  return out;
-}
-
-// The tensors of host buffers, as Rust specified them; `to`: a device to move each to before its
-// cast. The loader gives up its references first, and each buffer's handle here goes once its
-// tensors are made (buffer by buffer): a buffer whose tensors were copied or cast is freed first.
-NamedTensors host_tensors(rs::LoadedFiles& loaded, const std::optional<c10::Device>& to = std::nullopt) {
+// The tensors of host buffers, as Rust specified them; `to`: a CUDA device to move each to
+// before its cast (-1: none). The loader gives up its references first, and each buffer's
+// handle here goes once its tensors are made (buffer by buffer): a buffer whose tensors were
+// copied or cast is freed first.
+NamedTensors host_tensors(rs::LoadedFiles& loaded, int32_t to = -1) {
   std::vector<Buffer> buffers;
   for (size_t i = 0; i < loaded.buffer_count(); ++i) buffers.push_back(SharedBuffer::take(loaded.take_buffer(i)));
   NamedTensors out;
@@ -163,66 +185,51 @@ NamedTensors host_tensors(rs::LoadedFiles& loaded, const std::optional<c10::Devi
   for (size_t k = 0; k < specs.size(); ++k) {
     const auto& spec = specs[k];
     auto t = wrap_host(spec, *buffers[spec.buffer]);
-    add(out, spec, to ? t.to(*to) : t);
+    add(out, spec, to >= 0 ? tt::to_cuda(t, to) : t);
     if (k + 1 == specs.size() || specs[k + 1].buffer != spec.buffer) buffers[spec.buffer].reset();
   }
   return out;
 }
 
-// Torch's CUDA hooks, reached through the device-guard registry: the extension links none of
-// torch's CUDA libraries, so that it still loads under a CPU-only torch.
-const c10::impl::DeviceGuardImplInterface& cuda_hooks() {
-  return *c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
-}
-
 // The CUDA device Rust parsed; index -1 is torch's current device.
-c10::Device cuda_device(const rs::DeviceSpec& spec) {
-  return spec.index < 0 ? cuda_hooks().getDevice() : c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(spec.index));
+int32_t cuda_device(const rs::DeviceSpec& spec) {
+  return spec.index < 0 ? tt::current_cuda_device() : static_cast<int32_t>(spec.index);
 }
 
-// An event recorded on torch's current stream once the buffers are allocated: the caching allocator
-// may hand out memory that work queued there still uses, so the copies are ordered after it.
+// An event recorded on torch's current stream once the buffers are allocated: the caching
+// allocator may hand out memory that work queued there still uses, so the copies are ordered
+// after it. Rust's driver layer makes and records it; torch lends only its stream.
 class ReadyEvent {
  public:
-  explicit ReadyEvent(const c10::Device& device) : index_(device.index()) {
-    const auto& hooks = cuda_hooks();
-    hooks.record(&event_, hooks.getStream(device), index_, c10::EventFlag::PYTORCH_DEFAULT);
-  }
-  ReadyEvent(const ReadyEvent&) = delete;
-  ReadyEvent& operator=(const ReadyEvent&) = delete;
-  ~ReadyEvent() {
-    if (event_ != nullptr) cuda_hooks().destroyEvent(event_, index_);
-  }
-  uint64_t handle() const { return reinterpret_cast<uint64_t>(event_); }
+  explicit ReadyEvent(int32_t device)
+      : event_(call_rust([&] { return rs::record_ready(static_cast<size_t>(device), tt::current_cuda_stream(device)); })) {}
+  uint64_t handle() const { return event_->handle(); }
 
  private:
-  c10::DeviceIndex index_;
-  void* event_ = nullptr;
+  ::rust::Box<rs::ReadyEvent> event_;
 };
 
-at::Tensor device_bytes(int64_t len, const c10::Device& device) {
-  return at::empty({len}, at::TensorOptions(at::kByte).device(device));
-}
+Tensor device_bytes(int64_t len, int32_t device) { return tt::empty({len}, ScalarType::Byte, device); }
 
 // Whole files copied to the device, group by group as Rust groups them, into memory from torch's
 // caching allocator, so that torch's memory statistics (which vLLM sizes its KV cache from) count it.
 LoadResult load_to_cuda(const rs::PlannedFiles& planned, const std::string& reader, std::optional<bool> nogds) {
-  const c10::Device device = cuda_device(planned.target());
+  const int32_t device = cuda_device(planned.target());
   const int32_t gds = nogds.has_value() ? static_cast<int32_t>(*nogds) : -1;
-  std::vector<std::string> read_paths(planned.file_count());
+  Strings read_paths(planned.file_count());
   NamedTensors tensors;
   for (size_t g = 0; g < planned.device_group_count(); ++g) {
     const auto files = planned.device_group_files(g);
-    std::vector<at::Tensor> buffers;
+    std::vector<Tensor> buffers;
     ::rust::Vec<uint64_t> bases;
     for (const size_t i : files) {
       buffers.push_back(device_bytes(static_cast<int64_t>(planned.device_alloc_len(i)), device));
-      bases.push_back(reinterpret_cast<uint64_t>(buffers.back().data_ptr()));
+      bases.push_back(reinterpret_cast<uint64_t>(tt::data_ptr(buffers.back())));
     }
     std::optional<ReadyEvent> ready;
     if (!files.empty()) ready.emplace(device);
     const auto copies = call_rust([&] {
-      return planned.copy_to_cuda(device.index(), files, bases, reader, gds, ready ? ready->handle() : 0);
+      return planned.copy_to_cuda(static_cast<size_t>(device), files, bases, reader, gds, ready ? ready->handle() : 0);
     });
     ready.reset();
     for (size_t k = 0; k < files.size(); ++k) read_paths[files[k]] = std::string(copies[k].path);
@@ -236,60 +243,57 @@ LoadResult load_to_cuda(const rs::PlannedFiles& planned, const std::string& read
 }
 
 // The selected tensors of `files` on `device`, in read order, and how each file was read.
-LoadResult load_named(
-    std::vector<std::string> files, std::string device, std::optional<at::ScalarType> dtype,
-    std::optional<std::string> reader, std::optional<bool> nogds,
-    std::optional<std::vector<std::string>> tensor_filter, std::string tensor_name_match_mode, int64_t handle) {
+LoadResult load_named(Strings files, std::string device, std::optional<ScalarType> dtype,
+                      std::optional<std::string> reader, std::optional<bool> nogds,
+                      std::optional<Strings> tensor_filter, std::string tensor_name_match_mode, int64_t handle) {
   const auto paths = to_rust(files);
   const auto chosen = selection(tensor_filter, tensor_name_match_mode);
   auto planned = call_rust([&] { return rs::plan_load(paths, chosen, device, dtype_name(dtype), handle); });
   const std::string how = reader.value_or("");
   if (planned->route() == rs::Route::Device) return load_to_cuda(*planned, how, nogds);
-  std::optional<c10::Device> to;
-  if (planned->route() == rs::Route::HostThenDevice) to = cuda_device(planned->target());
+  const int32_t to = planned->route() == rs::Route::HostThenDevice ? cuda_device(planned->target()) : -1;
   auto files_read = call_rust([&] { return rs::read_to_host(std::move(planned), how); });
   auto [names, tensors] = host_tensors(*files_read, to);
   return {std::move(names), std::move(tensors), from_rust(files_read->read_paths())};
 }
 
-using Loaded = std::tuple<TensorDict, std::vector<std::string>>;
-
-Loaded load_with_report(std::vector<std::string> files, std::string device, std::optional<at::ScalarType> dtype,
-                        std::optional<std::string> reader, std::optional<bool> nogds,
-                        std::optional<std::vector<std::string>> tensor_filter, std::string tensor_name_match_mode) {
-  auto [names, tensors, read_paths] = load_named(std::move(files), std::move(device), dtype, std::move(reader), nogds,
-                                                 std::move(tensor_filter), std::move(tensor_name_match_mode), -1);
-  return {to_dict(NamedTensors{std::move(names), std::move(tensors)}), std::move(read_paths)};
+LoadResult load_with_report(Strings files, std::string device, std::optional<ScalarType> dtype,
+                            std::optional<std::string> reader, std::optional<bool> nogds,
+                            std::optional<Strings> tensor_filter, std::string tensor_name_match_mode) {
+  return load_named(std::move(files), std::move(device), dtype, std::move(reader), nogds, std::move(tensor_filter),
+                    std::move(tensor_name_match_mode), -1);
 }
 
-TensorDict load(std::vector<std::string> files, std::string device, std::optional<at::ScalarType> dtype,
-                std::optional<std::string> reader, std::optional<bool> nogds,
-                std::optional<std::vector<std::string>> tensor_filter, std::string tensor_name_match_mode) {
-  return std::get<0>(load_with_report(std::move(files), std::move(device), dtype, std::move(reader), nogds,
-                                      std::move(tensor_filter), std::move(tensor_name_match_mode)));
+NamedTensors load(Strings files, std::string device, std::optional<ScalarType> dtype, std::optional<std::string> reader,
+                  std::optional<bool> nogds, std::optional<Strings> tensor_filter, std::string tensor_name_match_mode) {
+  auto [names, tensors, read_paths] = load_with_report(std::move(files), std::move(device), dtype, std::move(reader),
+                                                       nogds, std::move(tensor_filter), std::move(tensor_name_match_mode));
+  return {std::move(names), std::move(tensors)};
 }
 
 // Rows [start, stop) of tensor `name`, reading only their bytes.
-at::Tensor load_rows(std::string file, std::string name, int64_t start, int64_t stop, std::optional<std::string> reader,
-                     int64_t handle) {
+Tensor load_rows(std::string file, std::string name, int64_t start, int64_t stop, std::optional<std::string> reader,
+                 int64_t handle) {
   auto loaded = call_rust([&] { return rs::load_rows(file, name, start, stop, reader.value_or(""), handle); });
   auto tensors = std::get<1>(host_tensors(*loaded));
-  TORCH_CHECK(tensors.size() == 1, "fastsafetensors: internal error: ", tensors.size(), " tensors for one row range");
+  if (tensors.size() != 1) {
+    tt::fail("fastsafetensors: internal error: " + std::to_string(tensors.size()) + " tensors for one row range");
+  }
   return tensors.front();
 }
 
 // Names of the tensors a filter selects, in read order, from the headers alone.
-std::vector<std::string> selected(std::vector<std::string> files, std::optional<std::vector<std::string>> tensor_filter,
-                                  std::string tensor_name_match_mode, int64_t handle) {
+Strings selected(Strings files, std::optional<Strings> tensor_filter, std::string tensor_name_match_mode,
+                 int64_t handle) {
   auto paths = to_rust(files);
   const auto chosen = selection(tensor_filter, tensor_name_match_mode);
   return from_rust(call_rust([&] { return rs::selected_names(paths, chosen, handle); }));
 }
 
 // A load shared by `world` ranks, as JSON (see rs::share_load): each byte read by one rank.
-std::string share_load(std::vector<std::string> files, std::optional<at::ScalarType> dtype,
-                       std::optional<std::vector<std::string>> tensor_filter, std::string mode, int64_t world,
-                       std::optional<std::string> max_memory, int64_t chunk, int64_t handle) {
+std::string share_load(Strings files, std::optional<ScalarType> dtype, std::optional<Strings> tensor_filter,
+                       std::string mode, int64_t world, std::optional<std::string> max_memory, int64_t chunk,
+                       int64_t handle) {
   const auto chosen = selection(tensor_filter, mode);
   const auto paths = to_rust(files);
   const auto cast = dtype_name(dtype), budget = max_memory.value_or("");
@@ -299,53 +303,57 @@ std::string share_load(std::vector<std::string> files, std::optional<at::ScalarT
 }
 
 // Fills `out` (contiguous bytes on the CPU or a CUDA device) from `file` at `offset`; says how.
-std::string read_range(std::string file, int64_t offset, at::Tensor out, std::optional<std::string> reader,
+std::string read_range(std::string file, int64_t offset, Tensor out, std::optional<std::string> reader,
                        int64_t handle) {
-  TORCH_CHECK(out.scalar_type() == at::kByte && out.is_contiguous(), "invalid argument: out: contiguous uint8");
+  if (tt::scalar_type(out) != ScalarType::Byte || !tt::is_contiguous(out)) {
+    tt::fail("invalid argument: out: contiguous uint8");
+  }
+  const bool cuda = tt::is_cuda(out);
   std::optional<ReadyEvent> ready;
-  if (out.is_cuda()) ready.emplace(out.device());
-  const auto address = reinterpret_cast<uint64_t>(out.data_ptr());
-  const int64_t ordinal = out.is_cuda() ? out.device().index() : -1;
+  if (cuda) ready.emplace(tt::device_index(out));
+  const auto address = reinterpret_cast<uint64_t>(tt::data_ptr(out));
+  const int64_t ordinal = cuda ? tt::device_index(out) : -1;
   const uint64_t event = ready ? ready->handle() : 0;
   return std::string(call_rust([&] {
-    return rs::read_range(file, offset, address, out.numel(), ordinal, reader.value_or(""), handle, event);
+    return rs::read_range(file, offset, address, tt::numel(out), ordinal, reader.value_or(""), handle, event);
   }));
 }
 
 // A streaming load: `next()` returns the next group of tensors, in read order, as soon as its
 // bytes have arrived, while the reads of later groups go on in the background. Each tensor keeps
-// the buffer of its group alive; dropping the stream stops its reads. To the CPU, groups are
+// the buffer of its group alive; destroying the stream stops its reads. To the CPU, groups are
 // read into host buffers within the memory budget. To a CUDA device, each group gets an
 // allocation of its own from torch's caching allocator (so torch's memory statistics count it),
 // and the copies Rust says to submit ahead run through the pinned ring while the caller works.
-class TensorStream : public torch::CustomClassHolder {
+class TensorStream {
  public:
-  explicit TensorStream(::rust::Box<rs::TensorStream> stream) : target_(c10::kCPU), host_(std::move(stream)) {}
+  explicit TensorStream(::rust::Box<rs::TensorStream> stream) : host_(std::move(stream)) {}
 
-  TensorStream(::rust::Box<rs::DeviceTensorStream> stream, c10::Device target)
+  TensorStream(::rust::Box<rs::DeviceTensorStream> stream, int32_t target)
       : target_(target), device_(std::move(stream)) {}
 
-  // The next group's names and tensors; None after the last.
+  // The next group's names and tensors (never none of them); nullopt after the last.
   std::optional<NamedTensors> next() {
     std::lock_guard<std::mutex> lock(mutex_);
-    return host_ ? next_host() : next_device();
+    for (;;) {
+      auto group = host_ ? next_host() : next_device();
+      if (!group || !std::get<0>(*group).empty()) return group;
+    }
   }
 
   // How the last group was read: "direct", "buffered", "mmap" or "mmap-fallback" ("" before
-  // the first), and the index (-1 before the first) and path of its file.
-  std::string read_path() { return on_stream([](auto& s) { return std::string(s.group_read_path()); }); }
-  int64_t file_index() { return on_stream([](auto& s) { return s.group_file(); }); }
-  std::string file_path() { return on_stream([](auto& s) { return std::string(s.group_path()); }); }
-  int64_t tensor_count() { return on_stream([](auto& s) { return static_cast<int64_t>(s.tensor_count()); }); }
-  int64_t byte_count() { return on_stream([](auto& s) { return static_cast<int64_t>(s.byte_count()); }); }
-
- private:
-  template <class F>
-  auto on_stream(F&& f) -> std::invoke_result_t<F, rs::TensorStream&> {
+  // the first), the index (-1 before the first) and path of its file; the tensors and bytes
+  // the stream hands out in all.
+  std::tuple<std::string, int64_t, std::string, int64_t, int64_t> info() {
     std::lock_guard<std::mutex> lock(mutex_);
-    return host_ ? f(**host_) : f(**device_);
+    auto of = [](auto& s) -> std::tuple<std::string, int64_t, std::string, int64_t, int64_t> {
+      return {std::string(s.group_read_path()), s.group_file(), std::string(s.group_path()),
+              static_cast<int64_t>(s.tensor_count()), static_cast<int64_t>(s.byte_count())};
+    };
+    return host_ ? of(**host_) : of(**device_);
   }
 
+ private:
   std::optional<NamedTensors> next_host() {
     auto& stream = *host_;
     if (!call_rust([&] { return stream->next_group(); })) return std::nullopt;
@@ -357,7 +365,7 @@ class TensorStream : public torch::CustomClassHolder {
 
   // A group's allocation and the event its copy is ordered after, kept until it has landed.
   struct Submitted {
-    at::Tensor buffer;
+    Tensor buffer;
     std::unique_ptr<ReadyEvent> ready;
   };
 
@@ -365,7 +373,7 @@ class TensorStream : public torch::CustomClassHolder {
     auto& stream = *device_;
     const auto len = static_cast<int64_t>(call_rust([&] { return stream->alloc_len(k); }));
     Submitted s{device_bytes(len, target_), std::make_unique<ReadyEvent>(target_)};
-    const auto base = reinterpret_cast<uint64_t>(s.buffer.data_ptr());
+    const auto base = reinterpret_cast<uint64_t>(tt::data_ptr(s.buffer));
     call_rust([&] { return stream->submit(k, base, s.ready->handle()); });
     submitted_.emplace(k, std::move(s));
   }
@@ -379,7 +387,7 @@ class TensorStream : public torch::CustomClassHolder {
       const auto specs = call_rust([&] { return stream->group_specs(k); });
       const auto landed = call_rust([&] { return stream->wait(k); });
       // Its copy done, the group's event goes; from here on only its tensors keep its memory.
-      const at::Tensor buffer = std::move(submitted_.extract(k).mapped().buffer);
+      const Tensor buffer = std::move(submitted_.extract(k).mapped().buffer);
       NamedTensors out;
       for (const auto& spec : specs) add(out, spec, wrap_device(spec, buffer, static_cast<int64_t>(landed.offset)));
       return out;
@@ -390,7 +398,7 @@ class TensorStream : public torch::CustomClassHolder {
   }
 
   std::mutex mutex_;
-  c10::Device target_;
+  int32_t target_ = -1;
   size_t next_ = 0;
   // Declared before the streams, so destroyed after them: the copier has stopped (its running
   // copy done) before the memory it copies into is given back to torch.
@@ -399,42 +407,106 @@ class TensorStream : public torch::CustomClassHolder {
   std::optional<::rust::Box<rs::DeviceTensorStream>> device_;
 };
 
-c10::intrusive_ptr<TensorStream> open_stream(std::vector<std::string> files, std::string device,
-                                             std::optional<at::ScalarType> dtype, std::optional<std::string> reader,
-                                             std::optional<std::vector<std::string>> tensor_filter,
-                                             std::string tensor_name_match_mode,
-                                             std::optional<std::string> max_memory, int64_t handle) {
+// The open streams, by the handle `open_stream` returned (from 1 on). A stream leaves with
+// `close_stream`, or once `stream_next` has found its end.
+class Streams {
+ public:
+  int64_t add(std::shared_ptr<TensorStream> stream) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const int64_t handle = next_++;
+    open_.emplace(handle, std::move(stream));
+    return handle;
+  }
+
+  std::shared_ptr<TensorStream> get(int64_t handle) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = open_.find(handle);
+    if (it == open_.end()) {
+      tt::fail("invalid argument: stream " + std::to_string(handle) + " is not open (closed, or read to its end)");
+    }
+    return it->second;
+  }
+
+  // Whether it was open. Its reads stop here, unless another thread is in its `next`: then
+  // when that returns (the stream is destroyed outside the lock).
+  bool remove(int64_t handle) {
+    std::shared_ptr<TensorStream> gone;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = open_.find(handle);
+      if (it == open_.end()) return false;
+      gone = std::move(it->second);
+      open_.erase(it);
+    }
+    return true;
+  }
+
+ private:
+  std::mutex mutex_;
+  int64_t next_ = 1;
+  std::unordered_map<int64_t, std::shared_ptr<TensorStream>> open_;
+};
+
+Streams& streams() {
+  static Streams* all = new Streams();  // never destroyed: streams may outlive static destruction
+  return *all;
+}
+
+int64_t open_stream(Strings files, std::string device, std::optional<ScalarType> dtype,
+                    std::optional<std::string> reader, std::optional<Strings> tensor_filter,
+                    std::string tensor_name_match_mode, std::optional<std::string> max_memory, int64_t handle) {
   const auto cast = dtype_name(dtype);
   const auto target = call_rust([&] { return rs::check_target(device, cast); });
   auto paths = to_rust(files);
   const auto chosen = selection(tensor_filter, tensor_name_match_mode);
   const std::string how = reader.value_or(""), budget = max_memory.value_or("");
   if (!target.cuda) {
-    return c10::make_intrusive<TensorStream>(
-        call_rust([&] { return rs::open_stream(paths, how, chosen, budget, cast, handle); }));
+    return streams().add(std::make_shared<TensorStream>(
+        call_rust([&] { return rs::open_stream(paths, how, chosen, budget, cast, handle); })));
   }
-  const c10::Device on = cuda_device(target);
+  const int32_t on = cuda_device(target);
   auto stream = call_rust([&] {
-    return rs::open_device_stream(paths, how, chosen, budget, cast, static_cast<size_t>(on.index()), handle);
+    return rs::open_device_stream(paths, how, chosen, budget, cast, static_cast<size_t>(on), handle);
   });
-  return c10::make_intrusive<TensorStream>(std::move(stream), on);
+  return streams().add(std::make_shared<TensorStream>(std::move(stream), on));
 }
 
+// The next group of stream `stream`: names and tensors, both empty after the last (the
+// stream is closed then).
+NamedTensors stream_next(int64_t stream) {
+  auto group = streams().get(stream)->next();
+  if (group) return std::move(*group);
+  streams().remove(stream);
+  return {};
+}
+
+std::tuple<std::string, int64_t, std::string, int64_t, int64_t> stream_info(int64_t stream) {
+  return streams().get(stream)->info();
+}
+
+bool close_stream(int64_t stream) { return streams().remove(stream); }
+
 // Tensor names, dtypes and shapes in offset order, and the metadata, without reading data.
-std::tuple<std::vector<std::string>, std::vector<std::string>, std::vector<std::vector<int64_t>>, Metadata> describe(
-    std::string file, int64_t handle) {
+std::tuple<Strings, Strings, std::vector<std::vector<int64_t>>, std::optional<Strings>, std::optional<Strings>>
+describe(std::string file, int64_t handle) {
   const auto h = call_rust([&] { return rs::read_header(file, handle); });
-  std::vector<std::string> names, dtypes;
+  Strings names, dtypes;
   std::vector<std::vector<int64_t>> shapes;
   for (const auto& t : h.tensors) {
     names.emplace_back(t.name);
     dtypes.emplace_back(t.dtype);
     shapes.emplace_back(t.shape.begin(), t.shape.end());
   }
-  Metadata metadata;
-  if (h.has_metadata) metadata.emplace();
-  for (const auto& e : h.metadata) metadata->insert(std::string(e.key), std::string(e.value));  // has_metadata
-  return {std::move(names), std::move(dtypes), std::move(shapes), std::move(metadata)};
+  std::optional<Strings> keys, values;
+  if (h.has_metadata) {
+    keys.emplace();
+    values.emplace();
+    for (const auto& e : h.metadata) {
+      keys->emplace_back(e.key);
+      values->emplace_back(e.value);
+    }
+  }
+  return {std::move(names), std::move(dtypes), std::move(shapes), std::move(keys), std::move(values)};
 }
 
 // Frees the pinned staging buffers kept for later CUDA loads; returns how many were freed.
@@ -444,8 +516,7 @@ std::string check_device(std::string device) { return std::string(call_rust([&] 
 
 // The files `path` (a file, checkpoint directory or index) stands for, the index they come
 // from, and every problem between them and the index.
-std::tuple<std::vector<std::string>, std::optional<std::string>, std::vector<std::string>> checkpoint(
-    std::string path) {
+std::tuple<Strings, std::optional<std::string>, Strings> checkpoint(std::string path) {
   const auto c = call_rust([&] { return rs::checkpoint(path); });
   std::optional<std::string> index;
   if (!c.index.empty()) index = std::string(c.index);
@@ -455,43 +526,43 @@ std::tuple<std::vector<std::string>, std::optional<std::string>, std::vector<std
 double resident_fraction(std::string file) { return call_rust([&] { return rs::resident_fraction(file); }); }
 
 // A handle on `files`, opened now: the ops taking it read those, whatever becomes of the paths.
-int64_t open_handle(std::vector<std::string> files, std::optional<std::string> cache_dir) {
+int64_t open_handle(Strings files, std::optional<std::string> cache_dir) {
   return call_rust([&] { return rs::open_handle(to_rust(files), cache_dir.value_or("")); });
 }
 bool close_handle(int64_t handle) { return rs::close_handle(handle); }
 
-std::vector<std::string> keys(std::string file) {
+Strings keys(std::string file) {
   auto names = std::get<0>(describe(std::move(file), -1));
   std::sort(names.begin(), names.end());
   return names;
 }
 
-Metadata metadata(std::string file) { return std::get<3>(describe(std::move(file), -1)); }
+Metadata metadata(std::string file) {
+  auto described = describe(std::move(file), -1);
+  return {std::move(std::get<3>(described)), std::move(std::get<4>(described))};
+}
 
 }  // namespace
 
-TORCH_LIBRARY(fastsafetensors, m) {
-  m.class_<TensorStream>("TensorStream")
-      .def("next", &TensorStream::next)
-      .def("read_path", &TensorStream::read_path)
-      .def("file_index", &TensorStream::file_index)
-      .def("file_path", &TensorStream::file_path)
-      .def("tensor_count", &TensorStream::tensor_count)
-      .def("byte_count", &TensorStream::byte_count);
+FST_LIBRARY(m) {
   // The arguments of every bulk load. `int handle`, here and below: the files an `open_handle`
   // holds open, which the op reads instead of opening `files` (-1: none).
 #define LOAD_ARGS                                                                                       \
   "(str[] files, str device=\"cpu\", ScalarType? dtype=None, str? reader=None, bool? nogds=None," \
   " str[]? tensor_filter=None, str tensor_name_match_mode=\"glob\""
-  m.def("load" LOAD_ARGS ") -> Dict(str, Tensor)");
-  m.def("load_with_report" LOAD_ARGS ") -> (Dict(str, Tensor), str[])");
+  m.def("load" LOAD_ARGS ") -> (str[] names, Tensor[] tensors)");
+  m.def("load_with_report" LOAD_ARGS ") -> (str[] names, Tensor[] tensors, str[] read_paths)");
   m.def("load_named" LOAD_ARGS ", int handle=-1) -> (str[] names, Tensor[] tensors, str[] read_paths)");
 #undef LOAD_ARGS
   m.def("load_rows(str file, str name, int start, int stop, str? reader=None, int handle=-1) -> Tensor");
   m.def(
       "open_stream(str[] files, str device=\"cpu\", ScalarType? dtype=None, str? reader=None,"
       " str[]? tensor_filter=None, str tensor_name_match_mode=\"glob\", str? max_memory=None, int handle=-1)"
-      " -> __torch__.torch.classes.fastsafetensors.TensorStream");
+      " -> int");
+  m.def("stream_next(int stream) -> (str[] names, Tensor[] tensors)");
+  m.def("stream_info(int stream)"
+        " -> (str read_path, int file_index, str file_path, int tensor_count, int byte_count)");
+  m.def("close_stream(int stream) -> bool");
   m.def("selected(str[] files, str[]? tensor_filter=None, str tensor_name_match_mode=\"glob\", int handle=-1)"
         " -> str[]");
   m.def("share_load(str[] files, ScalarType? dtype, str[]? tensor_filter, str tensor_name_match_mode, int world,"
@@ -502,30 +573,34 @@ TORCH_LIBRARY(fastsafetensors, m) {
   m.def("checkpoint(str path) -> (str[] files, str? index, str[] problems)");
   m.def("resident_fraction(str file) -> float");
   m.def("release_staging_buffers() -> int");
-  m.def("metadata(str file) -> Dict(str, str)?");
-  m.def("describe(str file, int handle=-1) -> (str[] names, str[] dtypes, int[][] shapes, Dict(str, str)? metadata)");
+  m.def("metadata(str file) -> (str[]? keys, str[]? values)");
+  m.def("describe(str file, int handle=-1)"
+        " -> (str[] names, str[] dtypes, int[][] shapes, str[]? metadata_keys, str[]? metadata_values)");
   m.def("open_handle(str[] files, str? cache_dir=None) -> int");
   m.def("close_handle(int handle) -> bool");
 }
 
-TORCH_LIBRARY_IMPL(fastsafetensors, CompositeExplicitAutograd, m) {
-  m.impl("load", TORCH_FN(load));
-  m.impl("load_with_report", TORCH_FN(load_with_report));
-  m.impl("load_named", TORCH_FN(load_named));
-  m.impl("load_rows", TORCH_FN(load_rows));
-  m.impl("open_stream", TORCH_FN(open_stream));
-  m.impl("selected", TORCH_FN(selected));
-  m.impl("share_load", TORCH_FN(share_load));
-  m.impl("read_range", TORCH_FN(read_range));
-  m.impl("keys", TORCH_FN(keys));
-  m.impl("check_device", TORCH_FN(check_device));
-  m.impl("checkpoint", TORCH_FN(checkpoint));
-  m.impl("resident_fraction", TORCH_FN(resident_fraction));
-  m.impl("release_staging_buffers", TORCH_FN(release_staging_buffers));
-  m.impl("metadata", TORCH_FN(metadata));
-  m.impl("describe", TORCH_FN(describe));
-  m.impl("open_handle", TORCH_FN(open_handle));
-  m.impl("close_handle", TORCH_FN(close_handle));
+FST_LIBRARY_IMPL(m) {
+  m.impl("load", FST_KERNEL(load));
+  m.impl("load_with_report", FST_KERNEL(load_with_report));
+  m.impl("load_named", FST_KERNEL(load_named));
+  m.impl("load_rows", FST_KERNEL(load_rows));
+  m.impl("open_stream", FST_KERNEL(open_stream));
+  m.impl("stream_next", FST_KERNEL(stream_next));
+  m.impl("stream_info", FST_KERNEL(stream_info));
+  m.impl("close_stream", FST_KERNEL(close_stream));
+  m.impl("selected", FST_KERNEL(selected));
+  m.impl("share_load", FST_KERNEL(share_load));
+  m.impl("read_range", FST_KERNEL(read_range));
+  m.impl("keys", FST_KERNEL(keys));
+  m.impl("check_device", FST_KERNEL(check_device));
+  m.impl("checkpoint", FST_KERNEL(checkpoint));
+  m.impl("resident_fraction", FST_KERNEL(resident_fraction));
+  m.impl("release_staging_buffers", FST_KERNEL(release_staging_buffers));
+  m.impl("metadata", FST_KERNEL(metadata));
+  m.impl("describe", FST_KERNEL(describe));
+  m.impl("open_handle", FST_KERNEL(open_handle));
+  m.impl("close_handle", FST_KERNEL(close_handle));
 }
 
 }  // namespace fastsafetensors

@@ -54,7 +54,8 @@ class Deployed(torch.nn.Module):
     @torch.jit.export
     def load_weights(self, files: List[str], device: str = "cpu") -> int:
         # One bulk read per file; floating tensors cast to the module's dtype on the device.
-        self.weights = torch.ops.fastsafetensors.load(files, device, self.dtype, None)
+        names, tensors = torch.ops.fastsafetensors.load(files, device, self.dtype, None)
+        self.weights = {name: t for name, t in zip(names, tensors)}
         return len(self.weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -117,6 +117,10 @@ mod ffi {
         type DeviceTensorStream;
         /// A reference on one file's host buffer; the buffer is freed when the last drops.
         type BufferRef;
+        /// An event recorded on torch's current stream: the copies given its handle are
+        /// ordered after the work queued there before it (the caching allocator may hand out
+        /// memory that work still uses). Destroyed when dropped.
+        type ReadyEvent;
 
         /// Opens `paths` (each one `.safetensors` file) and validates their headers: a handle,
         /// which the loads below take instead of reopening their `paths` (then some of those
@@ -126,6 +130,13 @@ mod ffi {
         /// Lets go of the files of `handle` (loads running from them keep them); false if it
         /// was not open.
         fn close_handle(handle: i64) -> bool;
+
+        /// Records an event on `stream`, torch's current stream (a `cudaStream_t`) on CUDA
+        /// device `ordinal`, for `ready` below. The extension keeps it until the copies given
+        /// its handle have been waited for.
+        fn record_ready(ordinal: usize, stream: u64) -> Result<Box<ReadyEvent>>;
+        /// The `CUevent`, for the `ready` arguments below.
+        fn handle(self: &ReadyEvent) -> u64;
 
         /// `device` parsed: "cpu", "cuda" or "cuda:N"; anything else is an error in one line.
         fn parse_device(device: &str) -> Result<DeviceSpec>;
@@ -325,6 +336,8 @@ pub struct LoadedFiles {
 }
 
 pub struct BufferRef(Arc<HostBuffer>);
+
+pub struct ReadyEvent(driver::Event);
 
 pub struct DeviceTensorStream {
     copier: Copier,
@@ -598,6 +611,22 @@ unsafe fn read_range(
         };
         Ok(how.name().to_owned())
     })
+}
+
+fn record_ready(ordinal: usize, stream: u64) -> Result<Box<ReadyEvent>> {
+    guard(|| {
+        let event = driver::Event::new(&Context::primary(ordinal)?)?;
+        // SAFETY: the extension passes torch's current stream of device `ordinal`, made in
+        // that device's primary context (the one torch uses).
+        unsafe { event.record_on(stream) }?;
+        Ok(Box::new(ReadyEvent(event)))
+    })
+}
+
+impl ReadyEvent {
+    fn handle(&self) -> u64 {
+        self.0.as_raw().0 as u64
+    }
 }
 
 fn parse_device(device: &str) -> Result<DeviceSpec> {

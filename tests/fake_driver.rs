@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use common::{safetensors, TempDir};
-use fastsafetensors::device::driver::RawEvent;
+use fastsafetensors::device::driver::{Context, Event, RawEvent};
 use fastsafetensors::device::gds::GdsMode;
 use fastsafetensors::device::StagingOptions;
 use fastsafetensors::load::{self, plan_files, DeviceCopy, DeviceOptions, DeviceTarget, Planned};
@@ -97,6 +97,10 @@ impl Fake {
     fn ready_event(&self, device: c_int) -> u64 {
         self.call1::<c_int, *mut c_void>("fake_ready_event", device) as u64
     }
+
+    fn torch_stream(&self, device: c_int) -> u64 {
+        self.call1::<c_int, *mut c_void>("fake_torch_stream", device) as u64
+    }
 }
 
 /// Device memory on `device`, declared to the fake, with one allocation per file laid out in
@@ -159,15 +163,46 @@ fn options(gds: GdsMode) -> DeviceOptions {
 
 /// Loads the checkpoint to `device` with a fresh ready event, checking the bytes.
 fn load(fake: &Fake, dir: &TempDir, device: usize, gds: GdsMode) -> fastsafetensors::Result<Vec<DeviceCopy>> {
+    let ready = fake.ready_event(device as c_int);
+    // SAFETY: the fake's events are never freed.
+    load_after(fake, dir, device, gds, unsafe { RawEvent::from_raw(ready) })
+}
+
+/// Loads the checkpoint to `device`, ordered after `ready`, checking the bytes.
+fn load_after(
+    fake: &Fake,
+    dir: &TempDir,
+    device: usize,
+    gds: GdsMode,
+    ready: RawEvent,
+) -> fastsafetensors::Result<Vec<DeviceCopy>> {
     let (paths, files) = checkpoint(dir);
     let planned = plan_files(&paths).unwrap();
     let memory = DeviceMemory::new(fake, &planned, device as c_int);
-    let ready = fake.ready_event(device as c_int);
-    // SAFETY: the fake's events are never freed.
-    let ready = unsafe { RawEvent::from_raw(ready) };
     let copies = planned.copy_to_cuda(device, &memory.targets, &options(gds), Some(ready))?;
     memory.assert_holds(&copies, &files);
     Ok(copies)
+}
+
+/// What the extension does for each load to CUDA (the bridge's `record_ready`): an event made
+/// in the device's primary context and recorded on torch's current stream (also the null
+/// stream, torch's default), which the copies are then ordered after, staged or through cuFile.
+#[test]
+fn an_event_recorded_on_torchs_stream_orders_the_copies() {
+    let (fake, _serial) = fake();
+    let dir = TempDir::new("fake-torch-stream");
+    for device in [0, 1] {
+        for stream in [fake.torch_stream(device as c_int), 0] {
+            for gds in [GdsMode::Never, GdsMode::Require] {
+                let event = Event::new(&Context::primary(device).unwrap()).unwrap();
+                // SAFETY: the fake's torch stream of `device`, or the null stream.
+                unsafe { event.record_on(stream) }.unwrap();
+                load_after(fake, &dir, device, gds, event.as_raw()).unwrap();
+                assert_eq!(fake.current_context(), std::ptr::null_mut(), "a context was left current");
+            }
+        }
+    }
+    fake.assert_no_violations();
 }
 
 #[test]

@@ -4,8 +4,9 @@
 //
 // LIBRARY is fastsafetensors' compiled extension (`python -c "import fastsafetensors_rs;
 // print(fastsafetensors_rs.LIBRARY_PATH)"`). Loading it registers the ops with the dispatcher
-// (TORCH_LIBRARY static initialisers); the op is then found by name and called with the
-// boxed calling convention, as TorchScript calls it. One JSON line is printed per tensor:
+// (its static initialisers); the op is then found by name and called with the boxed calling
+// convention, as TorchScript calls it. The same program works with either build of the
+// library (the stable-ABI one or a per-torch one): the schemas are the same. One JSON line is printed per tensor:
 // name, dtype, shape and the sum of its bytes (a checksum to compare with Python).
 #include <dlfcn.h>
 
@@ -108,19 +109,25 @@ int main(int argc, char** argv) {
     stack.emplace_back();  // tensor_filter: every tensor
     stack.emplace_back(std::string("glob"));  // tensor_name_match_mode
     op.callBoxed(&stack);
-    const auto tensors = stack.at(0).to<c10::Dict<std::string, at::Tensor>>();
+    // -> (str[] names, Tensor[] tensors): in read order, names[i] is tensors[i]'s.
+    const auto names = stack.at(0).to<std::vector<std::string>>();
+    const auto tensors = stack.at(1).toTensorVector();
 
-    for (const auto& entry : tensors) {
-      const std::string& name = entry.key();
-      const at::Tensor& t = entry.value();
+    for (size_t i = 0; i < names.size(); ++i) {
+      const std::string& name = names[i];
+      const at::Tensor& t = tensors[i];
       std::cout << "{\"name\": " << json_string(name) << ", \"dtype\": \"" << t.scalar_type()
                 << "\", \"device\": \"" << t.device() << "\", \"shape\": [";
       for (size_t d = 0; d < t.sizes().size(); ++d) std::cout << (d ? ", " : "") << t.sizes()[d];
       std::cout << "], \"byte_sum\": " << byte_sum(t) << "}\n";
     }
   } catch (const c10::Error& e) {
-    // Loader errors (a bad file, a missing one) arrive as c10::Error naming the file.
+    // Loader errors (a bad file, a missing one) name the file: a c10::Error from a per-torch
+    // build of the library, a std::runtime_error from the stable-ABI one.
     std::cerr << e.what_without_backtrace() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << e.what() << "\n";
     return 1;
   }
   return 0;

@@ -1,27 +1,27 @@
-"""Fake (meta) kernels, so that FakeTensorMode, `make_fx`, `torch.export` and `torch.compile`
-can trace code that calls the ops without reading any tensor data.
+"""Fake (meta) kernels, so that FakeTensorMode and `torch.compile` can trace code that calls
+the ops without reading any tensor data.
 
 `fastsafetensors::load` has no tensor inputs: its outputs follow from the files' headers
 alone. The fake kernel resolves directories and indexes as `load` does, reads each header
-with `describe` (a few KiB, no data) and returns empty tensors of the shapes and dtypes
-`load` would return, on the requested device, with the same `dtype=` and device rules. `keys`, `metadata` and `describe` return no tensors and run
-as they are under fake modes. `load_with_report` has no fake kernel: how each file will be
-read (its second output) is decided at run time and cannot be known from the headers.
+with `describe` (a few KiB, no data) and returns the names and empty tensors of the shapes
+and dtypes `load` would return, in its order, on the requested device, with the same `dtype=`
+and device rules. `keys`, `metadata` and `describe` return no tensors and run as they are
+under fake modes. `load_with_report` has no fake kernel: how each file will be read (its
+third output) is decided at run time and cannot be known from the headers.
 
-Under `torch.compile`, a call to `load` is a graph break (Dynamo cannot put an op that
-returns a dict into its graph); the code around it is compiled. `make_fx` and
-`torch.export(..., strict=False)` record the op as a node of the graph.
+`make_fx` and `torch.export` cannot record `load`: FX graphs keep no `str[]` output, and the
+names come as one since the stable ABI has no Dict return.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from ._dtypes import CASTABLE, DTYPES, cast_dtype, torch_shape
-from ._ops import checkpoint_files, ops
+from ._ops import checkpoint_files, describe, ops
 
 __all__ = ["register_fake_kernels"]
 
@@ -47,8 +47,8 @@ def fake_load(
     nogds: Optional[bool] = None,
     tensor_filter: Optional[List[str]] = None,
     tensor_name_match_mode: str = "glob",
-) -> Dict[str, torch.Tensor]:
-    """What `fastsafetensors::load` returns, as empty tensors derived from the headers."""
+) -> Tuple[List[str], List[torch.Tensor]]:
+    """What `fastsafetensors::load` returns, with empty tensors derived from the headers."""
     target = _target_device(device)
     try:
         dtype = cast_dtype(dtype)
@@ -59,7 +59,7 @@ def fake_load(
     out: Dict[str, torch.Tensor] = {}
     origin: Dict[str, str] = {}
     for path in checkpoint_files(files):
-        names, dtypes, shapes, _ = ops.describe(path)  # header only; validates it
+        names, dtypes, shapes, _ = describe(path)  # header only; validates it
         for name, st_dtype, shape in zip(names, dtypes, shapes):
             if selected is not None and name not in selected:
                 continue
@@ -75,7 +75,7 @@ def fake_load(
                 torch_dtype = dtype
             out[name] = torch.empty(torch_shape(st_dtype, shape), dtype=torch_dtype, device=target)
             origin[name] = path
-    return out
+    return list(out), list(out.values())
 
 
 def register_fake_kernels() -> None:

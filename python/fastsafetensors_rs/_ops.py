@@ -1,10 +1,13 @@
-"""Loads the compiled extension, which registers the `torch.ops.fastsafetensors` ops."""
+"""Loads the compiled extension, which registers the `torch.ops.fastsafetensors` ops, and
+holds the package's few adapters to their schemas (lists where Python wants a dict, a handle
+where it wants an object: the schemas the stable ABI can express)."""
 
 import glob
 import importlib.machinery
 import json
 import os
-from typing import List, Sequence
+import weakref
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -25,8 +28,9 @@ def _library_path() -> str:
 
 
 def _check_built_for_this_torch() -> None:
-    """Refuses, with both versions and the rebuild command, an extension compiled against a
-    torch whose C++ ABI differs from the running one (see `_build_info`)."""
+    """Refuses, naming both torch versions and what to do, a library that cannot load under the
+    running torch: a stable-ABI one under a torch older than its minimum, a per-torch one under
+    another torch release (see `_build_info`)."""
     path = os.path.join(_HERE, _build_info.FILE)
     try:
         with open(path, encoding="utf-8") as f:
@@ -57,6 +61,53 @@ _check_built_for_this_torch()
 _point_at_cufile()
 torch.ops.load_library(LIBRARY_PATH)
 ops = torch.ops.fastsafetensors
+
+
+def describe(path: str, handle: int = -1) -> Tuple[List[str], List[str], List[List[int]], Optional[Dict[str, str]]]:
+    """`describe`'s names, dtypes and shapes (offset order), and the metadata as a dict (None
+    where the header has no `__metadata__`)."""
+    names, dtypes, shapes, keys, values = ops.describe(path, handle)
+    return names, dtypes, shapes, None if keys is None else dict(zip(keys, values))
+
+
+class Stream:
+    """A stream the op opened (`open_stream` gives its handle), as the package uses it: `next()`
+    gives the next group's `(names, tensors)`, None after the last. Dropping it, or `close()`,
+    stops its reads (the op closes a stream itself once it is read to its end)."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+        self._close = weakref.finalize(self, ops.close_stream, handle)
+
+    def next(self) -> Optional[Tuple[List[str], List[torch.Tensor]]]:
+        names, tensors = ops.stream_next(self.handle)
+        if names:
+            return names, tensors
+        self._close.detach()  # closed by the op at its end
+        return None
+
+    def read_path(self) -> str:
+        return ops.stream_info(self.handle)[0]
+
+    def file_index(self) -> int:
+        return ops.stream_info(self.handle)[1]
+
+    def file_path(self) -> str:
+        return ops.stream_info(self.handle)[2]
+
+    def tensor_count(self) -> int:
+        return ops.stream_info(self.handle)[3]
+
+    def byte_count(self) -> int:
+        return ops.stream_info(self.handle)[4]
+
+    def close(self) -> None:
+        self._close()
+
+
+def open_stream(*args) -> Stream:
+    """`open_stream` (the op's arguments), as a `Stream`."""
+    return Stream(ops.open_stream(*args))
 
 
 def checkpoint_files(paths: Sequence[str]) -> List[str]:

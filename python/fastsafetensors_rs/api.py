@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 
 import torch
 
-from . import distributed
+from . import _ops, distributed
 from ._dtypes import cast_dtype
 from ._logging import level_from_env
 from ._ops import checkpoint_files, ops
@@ -175,7 +175,7 @@ def _check_size(text: str) -> None:
     empty stream reads nothing). A malformed setting it meets on the way is left to the load
     itself to report."""
     try:
-        ops.open_stream([], "cpu", None, None, None, "glob", text)
+        _ops.open_stream([], "cpu", None, None, None, "glob", text)
     except RuntimeError as e:
         if str(e).startswith(_INVALID_ARGUMENT):
             raise ValueError(str(e)[len(_INVALID_ARGUMENT):]) from None
@@ -445,7 +445,7 @@ def stream(
         _nothing_selected(patterns, mode, shared.tensor_count, paths)
         return distributed.SharedTensors(shared)
     with _opened(paths, cache) as (files, handle):
-        opened = ops.open_stream(files, target, cast, reader, patterns, mode, budget, handle)
+        opened = _ops.open_stream(files, target, cast, reader, patterns, mode, budget, handle)
     _nothing_selected(patterns, mode, opened.tensor_count(), paths)
     return TensorIterator(opened)
 
@@ -592,9 +592,9 @@ class safe_open:
         self._file_of: Dict[str, int] = {}
         self._metadata = None
         for i, path in enumerate(self._paths):
-            names, dtypes, shapes, metadata = ops.describe(path, self._handle)
+            names, dtypes, shapes, metadata = _ops.describe(path, self._handle)
             if i == 0:
-                self._metadata = None if metadata is None else dict(metadata)
+                self._metadata = metadata
             self._dtypes.update(zip(names, dtypes))
             self._shapes.update(zip(names, shapes))
             self._file_of.update((n, i) for n in names)
@@ -659,8 +659,8 @@ class safe_open:
             return distributed.SharedTensors(distributed.SharedLoad(
                 self._paths, self._device, None, self._reader, self._patterns, self._mode, process_group,
                 self._max_memory, True, self._handle))
-        return TensorIterator(ops.open_stream(self._paths, self._device, None, self._reader, self._patterns,
-                                              self._mode, self._max_memory, self._handle))
+        return TensorIterator(_ops.open_stream(self._paths, self._device, None, self._reader, self._patterns,
+                                               self._mode, self._max_memory, self._handle))
 
     def _check(self, name: str) -> None:
         if name not in self._selected:
@@ -728,7 +728,7 @@ def _open_stream(paths: List[str], device: str, reader: Optional[str], patterns:
                  max_memory: Optional[str], handle: int):
     """The op's stream of files `handle` holds open; one place, so that tests can count the
     streams opened."""
-    return ops.open_stream(paths, device, None, reader, patterns, mode, max_memory, handle)
+    return _ops.open_stream(paths, device, None, reader, patterns, mode, max_memory, handle)
 
 
 def _rows(index, shape: Sequence[int]) -> Optional[Tuple[int, int, tuple]]:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import api
+from . import _ops, api
 from ._dtypes import DTYPES, nbytes, numel
 from ._logging import enable_logging
 from ._ops import ops
@@ -94,7 +94,7 @@ def describe_file(path: str) -> Dict[str, Any]:
     """Header facts of one file (no tensor data is read) and whether the header is valid."""
     info: Dict[str, Any] = {"path": path, "valid": False, "error": None}
     try:
-        names, dtypes, shapes, metadata = ops.describe(path)
+        names, dtypes, shapes, metadata = _ops.describe(path)
         # An object's size is not asked for separately: its data bytes stand in below.
         info["file_bytes"] = None if api.is_url(path) else os.path.getsize(path)
     except RuntimeError as e:  # the loader's message, which names the file
@@ -122,7 +122,7 @@ def describe_file(path: str) -> Dict[str, Any]:
     info.update({
         "valid": True,
         "header_bytes": None if api.is_url(path) else info["file_bytes"] - data_bytes - 8,
-        "metadata": None if metadata is None else dict(metadata),
+        "metadata": metadata,
         "tensors": tensors,
         "totals": {"tensors": len(tensors), "elements": sum(a["elements"] for a in by_dtype.values()),
                    "bytes": data_bytes, "by_dtype": by_dtype},
@@ -236,8 +236,9 @@ def cmd_verify(args: argparse.Namespace) -> Tuple[Dict[str, Any], bool]:
 def _verify_data(f: Dict[str, Any], args: argparse.Namespace) -> None:
     """Reads the whole file through the loader and checks what came back against the header."""
     try:
-        tensors, read_paths = ops.load_with_report([f["path"]], _device(args.device), None,
-                                                   args.reader, None)
+        names, loaded, read_paths = ops.load_with_report([f["path"]], _device(args.device), None,
+                                                         args.reader, None)
+        tensors = dict(zip(names, loaded))
     except RuntimeError as e:
         f.update(valid=False, error=str(e))
         return

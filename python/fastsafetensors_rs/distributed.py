@@ -38,7 +38,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from ._dtypes import CASTABLE, DTYPES, torch_shape
-from ._ops import checkpoint_files, ops
+from ._ops import checkpoint_files, describe, ops
 
 __all__ = ["node_group", "group_size", "SharedLoad", "SharedTensors", "sharded_load", "block"]
 
@@ -347,7 +347,7 @@ def _headers(files: Sequence[str], handle: int):
     shapes: Dict[str, List[int]] = {}
     file_of: Dict[str, int] = {}
     for i, f in enumerate(files):
-        names, types, dims, _ = ops.describe(f, handle)
+        names, types, dims, _ = describe(f, handle)
         dtypes.update(zip(names, types))
         shapes.update(zip(names, (list(d) for d in dims)))
         file_of.update((n, i) for n in names)

@@ -156,7 +156,7 @@ impl Drop for Stream {
     }
 }
 
-/// An event made by someone else (torch), as a raw `CUevent`.
+/// An event lent by its owner (one recorded on torch's current stream), as a raw `CUevent`.
 #[derive(Debug, Clone, Copy)]
 pub struct RawEvent(pub sys::CUevent);
 
@@ -247,6 +247,23 @@ impl Event {
         let _current = self.ctx.enter()?;
         // SAFETY: both handles are live.
         unsafe { result::event::record(self.raw, stream.raw) }.map_err(|e| cuda_error("cuEventRecord", e))
+    }
+
+    /// Records the event on a stream of someone else's (torch's current stream), made in this
+    /// event's context: the work queued there so far is what the event stands for.
+    ///
+    /// # Safety
+    /// `stream` is a live `CUstream` (a `cudaStream_t`; 0 is the legacy default stream) of
+    /// this event's context.
+    pub unsafe fn record_on(&self, stream: u64) -> Result<()> {
+        let _current = self.ctx.enter()?;
+        // SAFETY: the caller's contract for `stream`; the event is ours.
+        unsafe { result::event::record(self.raw, stream as sys::CUstream) }.map_err(|e| cuda_error("cuEventRecord", e))
+    }
+
+    /// The event as lent to a load: valid while `self` lives.
+    pub fn as_raw(&self) -> RawEvent {
+        RawEvent(self.raw)
     }
 
     pub fn synchronize(&self) -> Result<()> {

@@ -10,8 +10,9 @@
 // - calls that need a context find one current on the calling thread, and the right one;
 // - streams, events and pinned memory are destroyed while their context is still retained;
 // - a copy is queued only on a stream that waits for the destination's previous work (the
-//   "ready" event the test made with fake_ready_event), and cuFile writes only after that
-//   event was waited for on the host;
+//   "ready" event the test made with fake_ready_event, or an event recorded on torch's stream:
+//   one from fake_torch_stream, or the null stream), and cuFile writes only after that event
+//   was waited for on the host;
 // - pinned memory is freed only once every copy out of it is known to have completed (an
 //   event recorded after it, or its stream, was synchronized);
 // - cuFile reads and registrations target memory of the current context's device.
@@ -49,6 +50,7 @@ struct fake_context {
 // Streams are never freed (only marked), so that regions can keep pointing at them.
 struct fake_stream {
   struct fake_context* ctx;
+  int torch;  // made by fake_torch_stream: torch's current stream
   int waited_for_ready;
   int destroyed;
   unsigned long queued;     // copies queued so far
@@ -225,6 +227,16 @@ void* fake_ready_event(int device) {
   return ev;
 }
 
+// Torch's current stream on `device`, as the extension lends it: an event recorded on it
+// stands for the work torch queued there, as fake_ready_event's does. Not on the list of
+// streams: no copy of the loader's goes there.
+void* fake_torch_stream(int device) {
+  struct fake_stream* s = calloc(1, sizeof *s);
+  s->ctx = &primaries[device];
+  s->torch = 1;
+  return s;
+}
+
 // ------------------------------------------------------------------ driver
 
 CUresult cuInit(unsigned flags) { (void)flags; return CUDA_SUCCESS; }
@@ -354,7 +366,18 @@ CUresult cuEventCreate(void** event, unsigned flags) {
 CUresult cuEventRecord(void* event, void* stream) {
   struct fake_event* e = event;
   struct fake_stream* s = stream;
-  if (!e || !s) return CUDA_ERROR_INVALID_HANDLE;
+  if (!e) return CUDA_ERROR_INVALID_HANDLE;
+  if (!s || s->torch) {
+    // Torch's stream; the null stream is the current context's legacy default stream, torch's
+    // default current stream.
+    if (!need_context("cuEventRecord", s ? s->ctx : e->ctx)) return CUDA_ERROR_INVALID_CONTEXT;
+    if (s && e->ctx != s->ctx) violation("%s on a stream of another context", "cuEventRecord");
+    pthread_mutex_lock(&lock);
+    e->ready = 1;
+    ready_host_waited = 0;
+    pthread_mutex_unlock(&lock);
+    return CUDA_SUCCESS;
+  }
   if (!need_context("cuEventRecord", s->ctx)) return CUDA_ERROR_INVALID_CONTEXT;
   if (e->ctx != s->ctx) violation("%s on a stream of another context", "cuEventRecord");
   pthread_mutex_lock(&lock);

@@ -12,8 +12,10 @@ any check failed, 0 otherwise (also on machines without CUDA, where nothing can 
                 times over)
   ordering      a load into memory that a queued kernel still writes (freed while the kernel
                 waits behind a sleep on torch's current stream, whose pool the memory returns
-                to) is exact; a kernel left running on another stream does not delay the load
-                (no device-wide synchronization)
+                to) is exact, with the default stream current and with another one current
+                (torch.cuda.stream(s): the stream the library looks up through torch's C shim);
+                a kernel left running on another stream does not delay the load (no
+                device-wide synchronization)
   devices       the caller's current device, context and new allocations are unchanged by a
                 load to another GPU; a load of no files touches only the requested GPU;
                 threads loading different files at once, on one GPU and on two
@@ -115,9 +117,12 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def load(files, device="cuda", **kwargs):
-    """The op itself, so that the path each file took is known."""
+    """The op itself, so that the path each file took is known: the tensors by name, and how
+    each file was read."""
     files = [files] if isinstance(files, str) else files
-    return ops.load_with_report(files, device, kwargs.get("dtype"), kwargs.get("reader"), kwargs.get("nogds"))
+    names, tensors, read_paths = ops.load_with_report(files, device, kwargs.get("dtype"), kwargs.get("reader"),
+                                                      kwargs.get("nogds"))
+    return dict(zip(names, tensors)), read_paths
 
 
 def evict(files) -> None:
@@ -364,8 +369,18 @@ def sleep_cycles_per_second() -> float:
     return 100_000_000 / (time.perf_counter() - start)
 
 
-@guarded("ordering", "a load into memory a queued kernel still writes")
 def ordering_reuse(path: str, cycles: float) -> None:
+    check = "a load into memory a queued kernel still writes"
+    guarded("ordering", check)(ordering_reuse_on)(path, cycles, check)
+    side = torch.cuda.Stream()
+    check = "the same with another stream current (torch.cuda.stream)"
+    with torch.cuda.stream(side):
+        guarded("ordering", check)(ordering_reuse_on)(path, cycles, check)
+    side.synchronize()
+
+
+def ordering_reuse_on(path: str, cycles: float, check: str) -> None:
+    """On torch's current stream, whichever it is: the allocator's pools are per stream."""
     tensors, _ = load(path, nogds=True)
     alloc = tensors["part0"].untyped_storage().nbytes()  # the file's whole buffer
     del tensors
@@ -381,10 +396,9 @@ def ordering_reuse(path: str, cycles: float) -> None:
     reused = tensors["part0"].untyped_storage().data_ptr() == address
     exact = pattern_exact(tensors)
     if not reused:
-        row("ordering", False, "a load into memory a queued kernel still writes",
-            "setup: the caching allocator did not hand the freed block back")
+        row("ordering", False, check, "setup: the caching allocator did not hand the freed block back")
     else:
-        row("ordering", exact, "a load into memory a queued kernel still writes: bit-exact", f"path {taken}")
+        row("ordering", exact, check + ": bit-exact", f"path {taken}")
 
 
 @guarded("ordering", "a kernel running on another stream does not delay the load")
@@ -814,8 +828,10 @@ def main() -> int:
         print("gpu-check: no CUDA device here; nothing to validate (run this on a GPU machine)")
         return 0
     started = time.perf_counter()
+    built = json.loads(open(os.path.join(os.path.dirname(fastsafetensors_rs.__file__), "_build_info.json")).read())
     print(f"device: {torch.cuda.get_device_name()} x {gpus()}, torch {torch.__version__}, "
-          f"GDS (nvidia-fs): {nvidia_fs()}")
+          f"GDS (nvidia-fs): {nvidia_fs()}, library: {built.get('abi', 'torch')} ABI, built against torch "
+          f"{built['torch']}")
     with tempfile.TemporaryDirectory(dir=args.dir or os.getcwd()) as tmp:
         guarded("correctness", "correctness")(correctness)(tmp)
         pattern = os.path.join(tmp, "pattern.safetensors")

@@ -5,17 +5,22 @@ Run by `make test-install` (part of `make test`) with .venv's interpreter, which
 scratch directory outside the checkout, so `python/` is never importable; the package must
 come from where it was installed (each check asserts where it was imported from).
 
+- the released wheel (`make wheel`: the stable-ABI library, tagged manylinux) installs with
+  plain `pip install` into fresh venvs with torch 2.11, 2.14 (the one vLLM pins, with IBM's
+  fastsafetensors beside it) and 2.15 where no compiler or cargo is on PATH, and works there:
+  a checkpoint bit-exact, the op from TorchScript, vLLM's plugin entry point, the core
+  tests; under torch 2.10 its import fails naming the minimum and the source build;
 - default build isolation stops at once with the `--no-build-isolation` advice;
 - the sdist holds everything a build needs and, unpacked away from the checkout, builds a
   wheel; a Rust edit and a deleted module in that tree reach its next non-editable build;
   with the tree deleted, the wheel installs into a fresh venv (pip resolves torch itself)
   and works there: API, CLI, console script, core tests;
-- `pip install --no-build-isolation <checkout>` in fresh venvs holding the oldest supported
-  torch and the one vLLM pins (with IBM's fastsafetensors beside it), and the clear error a
-  wheel built for another torch gives there.
+- `pip install --no-build-isolation <checkout>` in a fresh venv holding the oldest supported
+  torch (the per-torch library), and the clear error the released wheel gives there.
 
-Environment: FASTSAFETENSORS_TORCH_RANGE (default "2.8.0 2.14.0"; 2.15 is .venv's),
-FASTSAFETENSORS_KEEP_INSTALL_TESTS=1 keeps the scratch directory (about 5 GB per venv).
+Environment: FASTSAFETENSORS_WHEEL_TORCH (default "2.11.0 2.14.0 2.15.0"),
+FASTSAFETENSORS_TORCH_RANGE (default "2.8.0"), FASTSAFETENSORS_KEEP_INSTALL_TESTS=1 keeps the
+scratch directory (about 5 GB per venv).
 """
 
 from __future__ import annotations
@@ -36,8 +41,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE_PYTHON = getattr(sys, "_base_executable", sys.executable)
-TORCH_RANGE = os.environ.get("FASTSAFETENSORS_TORCH_RANGE", "2.8.0 2.14.0").split()
+TORCH_RANGE = os.environ.get("FASTSAFETENSORS_TORCH_RANGE", "2.8.0").split()
+# The released wheel's torch releases: its minimum, the one vLLM pins, the newest.
+TORCH_WHEEL = os.environ.get("FASTSAFETENSORS_WHEEL_TORCH", "2.11.0 2.14.0 2.15.0").split()
+TORCH_TOO_OLD = "2.10.0"  # the newest the released wheel refuses
+MIN_STABLE_TORCH = "2.11"
 TORCH_VLLM = "2.14.0"  # what vLLM 0.33 pins; IBM's fastsafetensors is installed beside ours there
+# What a user without a toolchain lacks: none may be on the PATH the released wheel is tested with.
+TOOLCHAIN = ["cc", "c++", "gcc", "g++", "clang", "clang++", "cargo", "rustc", "ld"]
 IBM_FASTSAFETENSORS = "fastsafetensors==0.5.0"
 # The suites that exercise what depends on torch's version: the op schema and registration,
 # every dtype (float8, float4, e8m0) through from_blob, the header-only ops, TorchScript, the
@@ -67,14 +78,23 @@ def run(cmd, *, cwd, env=None, check=True, timeout=1800) -> subprocess.Completed
     return proc
 
 
-def pip_install(python, *requirements, cwd) -> None:
+def pip_install(python, *requirements, cwd, env=None) -> None:
     """`pip install`, taking what `make venv` downloaded from the run's wheelhouse
     (FASTSAFETENSORS_WHEELHOUSE) and the rest from the registry. The other torch releases are
     not added to the wheelhouse: at about 3.5 GB each, keeping them would fill a CI disk."""
     wheelhouse = os.environ.get("FASTSAFETENSORS_WHEELHOUSE")
     # pip takes a --find-links file over the registry's copy of the same version.
     find_links = ["--find-links", wheelhouse] if wheelhouse else []
-    run([python, "-m", "pip", "install", *find_links, *requirements], cwd=cwd)
+    run([python, "-m", "pip", "install", *find_links, *requirements], cwd=cwd, env=env)
+
+
+def without_toolchain(venv: Path) -> dict:
+    """The environment of a user with no compiler, linker or cargo: PATH holds the venv's
+    scripts alone (pip and Python need nothing else to install and run a wheel)."""
+    path = str(venv / "bin")
+    found = {tool: shutil.which(tool, path=path) for tool in TOOLCHAIN}
+    assert not any(found.values()), found
+    return {"PATH": path, "CARGO_HOME": str(venv / "no-cargo"), "RUSTUP_HOME": str(venv / "no-rustup")}
 
 
 def oldest_python() -> str:
@@ -147,11 +167,52 @@ def check_load(python, checkpoint, expected_home, cwd, env=None) -> str:
     return proc.stdout
 
 
-def run_core_tests(python, cwd):
+def run_core_tests(python, cwd, env=None):
     proc = run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", CORE_TESTS_DESELECT,
          *[ROOT / "tests" / "python" / t for t in CORE_TESTS]],
-        cwd=cwd, env={"FASTSAFETENSORS_TEST_INSTALLED": "1"})
+        cwd=cwd, env={"FASTSAFETENSORS_TEST_INSTALLED": "1", **(env or {})})
     print(proc.stdout.strip().splitlines()[-1])
+
+
+# Run inside an environment with the released wheel: the library is the stable-ABI one, the
+# op runs from TorchScript (scripted as a TorchScript user writes it) bit-exact against
+# safetensors, and vLLM finds the plugin's entry point. A file, for TorchScript reads the
+# scripted function's source.
+WHEEL_CHECK = textwrap.dedent("""
+    import importlib.metadata as md, json, sys
+    from pathlib import Path
+    from typing import Dict, List
+    import torch
+    from safetensors.torch import load_file
+    import fastsafetensors_rs as fst
+    from fastsafetensors_rs import _build_info
+
+    checkpoint = sys.argv[1]
+    home = Path(fst.__file__).resolve().parent
+    info = json.loads((home / _build_info.FILE).read_text())
+    assert info["abi"] == "stable" and info["min_torch"] == sys.argv[2], info
+
+
+    @torch.jit.script
+    def scripted_load(files: List[str]) -> Dict[str, torch.Tensor]:
+        names, tensors = torch.ops.fastsafetensors.load(files)
+        return {name: t for name, t in zip(names, tensors)}
+
+
+    files = sorted(str(p) for p in Path(checkpoint).glob("*.safetensors"))
+    got = scripted_load(files)
+    want = {name: t for f in files for name, t in load_file(f).items()}
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        g = got[name]
+        assert (g.dtype, g.shape) == (t.dtype, t.shape), name
+        assert torch.equal(g.view(-1).view(torch.uint8), t.view(-1).view(torch.uint8)), name
+    plugins = [e for e in md.entry_points(group="vllm.general_plugins") if e.name == "fastsafetensors_rs"]
+    assert [e.value for e in plugins] == ["fastsafetensors_rs.vllm_plugin:register"], plugins
+    registered = plugins[0].load()()  # no vLLM here: the plugin loads and registers nothing
+    print(json.dumps({"torch": torch.__version__, "library": Path(fst.LIBRARY_PATH).name, "scripted": len(got),
+                      "plugin_registered": registered}))
+""")
 
 
 # ---------------------------------------------------------------- fixtures
@@ -190,6 +251,84 @@ def built_wheel():
     return only((ROOT / "dist" / "wheel").glob("fastsafetensors_rs-*.whl"))
 
 
+@pytest.fixture(scope="session")
+def release_wheel():
+    """The wheel `make wheel` made: `make build`'s, tagged manylinux by auditwheel."""
+    return only((ROOT / "dist" / "release").glob("fastsafetensors_rs-*.whl"))
+
+
+# ---------------------------------------------------------------- the released wheel
+
+def test_release_wheel_is_tagged_and_links_only_torchs_c_functions(release_wheel):
+    """One wheel for every CPython >= 3.10 and every torch >= 2.11: abi3, manylinux, nothing
+    vendored, and a library that needs of libtorch only the C functions of its stable ABI
+    (a C++ symbol of torch, c10 or ATen would tie it to one torch release)."""
+    from elftools.elf.dynamic import DynamicSection
+    from elftools.elf.elffile import ELFFile
+
+    assert "-cp310-abi3-manylinux_" in release_wheel.name and release_wheel.name.endswith("_x86_64.whl"), \
+        release_wheel.name
+    with zipfile.ZipFile(release_wheel) as zf:
+        names = zf.namelist()
+        library = only(n for n in names if n.startswith("fastsafetensors_rs/_C") and n.endswith(".so"))
+        info = json.loads(zf.read("fastsafetensors_rs/_build_info.json"))
+        data = zf.read(library)
+    assert info["abi"] == "stable" and info["min_torch"] == MIN_STABLE_TORCH, info
+    assert not [n for n in names if ".libs/" in n], "auditwheel vendored libraries"
+    import io
+    elf = ELFFile(io.BytesIO(data))
+    needed = sorted(tag.needed for s in elf.iter_sections() if isinstance(s, DynamicSection)
+                    for tag in s.iter_tags() if tag.entry.d_tag == "DT_NEEDED")
+    assert [n for n in needed if "torch" in n or "c10" in n or "cu" in n] == ["libtorch_cpu.so"], needed
+    undefined = sorted(sym.name for sym in elf.get_section_by_name(".dynsym").iter_symbols()
+                       if sym["st_shndx"] == "SHN_UNDEF" and sym.name)
+    cxx_torch = [s for s in undefined if s.startswith(("_ZN3c10", "_ZN2at", "_ZN5torch", "_ZNK3c10", "_ZNK2at"))]
+    assert not cxx_torch, cxx_torch
+    shims = [s for s in undefined if s.startswith(("aoti_torch_", "torch_"))]
+    assert "torch_from_blob" in shims, shims
+    print(f"{release_wheel.name}: {len(data)} byte library, NEEDED {needed}, {len(shims)} torch C functions")
+
+
+@pytest.mark.parametrize("torch_version", TORCH_WHEEL)
+def test_release_wheel_without_a_toolchain(scratch, checkpoint, release_wheel, torch_version):
+    """`pip install <wheel>` where there is no compiler, linker or cargo, beside torch
+    `torch_version`: no build step, and everything works."""
+    venv = scratch / f"wheel-torch-{torch_version}"
+    python = make_venv(venv)
+    env = without_toolchain(venv)
+    extra = [IBM_FASTSAFETENSORS] if torch_version == TORCH_VLLM else []
+    pip_install(python, f"torch=={torch_version}", *CORE_TEST_DEPS, *extra, cwd=scratch, env=env)
+    pip_install(python, release_wheel, cwd=scratch, env=env)
+    run([python, "-m", "pip", "check"], cwd=scratch, env=env)
+    print(check_load(python, checkpoint, venv, cwd=scratch, env=env))
+    script = scratch / "wheel_check.py"
+    script.write_text(WHEEL_CHECK)
+    print(run([python, script, checkpoint, MIN_STABLE_TORCH], cwd=scratch, env=env).stdout.strip())
+    run([venv / "bin" / "fastsafetensors-rs", "verify", checkpoint], cwd=scratch, env=env)
+    run_core_tests(python, cwd=scratch, env=env)
+    if extra:
+        check_beside_ibm(python, scratch, env)
+    shutil.rmtree(venv)
+
+
+def test_release_wheel_names_the_minimum_under_an_older_torch(scratch, release_wheel):
+    """Under torch 2.10 the wheel installs (torch>=2.8 covers source builds too), and its import
+    fails at once with an ImportError naming the minimum torch and the source build."""
+    venv = scratch / f"wheel-torch-{TORCH_TOO_OLD}"
+    python = make_venv(venv)
+    env = without_toolchain(venv)
+    pip_install(python, f"torch=={TORCH_TOO_OLD}", cwd=scratch, env=env)
+    pip_install(python, release_wheel, cwd=scratch, env=env)
+    proc = run([python, "-c", "import fastsafetensors_rs"], cwd=scratch, env=env, check=False)
+    assert proc.returncode == 1 and "ImportError" in proc.stderr, proc.stderr
+    error = proc.stderr.strip().splitlines()[-1]
+    assert f"needs torch>={MIN_STABLE_TORCH}" in error, error
+    assert f"this environment has torch {TORCH_TOO_OLD}" in error, error
+    assert "pip install --no-build-isolation" in error and "from source" in error, error
+    print(error)
+    shutil.rmtree(venv)
+
+
 # ---------------------------------------------------------------- the install paths
 
 def test_build_isolation_stops_at_once(scratch):
@@ -219,7 +358,8 @@ def test_sdist_builds_a_wheel_that_works_in_a_fresh_venv(scratch, checkpoint):
         pkg_info = tar.extractfile(next(m for m in tar.getmembers() if m.name.endswith("/PKG-INFO"))).read().decode()
         tar.extractall(scratch / "src", filter="data")
     for required in ["Cargo.toml", "Cargo.lock", "rust/lib.rs", "rust/build.rs", "rust/bridge.rs",
-                     "csrc/ops.cpp", "setup.py", "pyproject.toml", "README.md", "LICENSE",
+                     "csrc/ops.cpp", "csrc/torch_api.h", "csrc/torch_api_stable.h",
+                     "csrc/torch_api_aten.h", "setup.py", "pyproject.toml", "README.md", "LICENSE",
                      "build_backend/fastsafetensors_build.py",
                      "python/fastsafetensors_rs/__init__.py", "python/fastsafetensors_rs/compat/__init__.py"]:
         assert required in names, f"{required} missing from {sdist.name}"
@@ -280,7 +420,8 @@ def test_sdist_builds_a_wheel_that_works_in_a_fresh_venv(scratch, checkpoint):
 @pytest.mark.parametrize("torch_version", TORCH_RANGE)
 def test_no_build_isolation_install_per_torch(scratch, checkpoint, built_wheel, torch_version):
     """`pip install --no-build-isolation <checkout>` into an environment that has only torch
-    (and, for vLLM's torch, IBM's fastsafetensors): the user's command, verbatim."""
+    (and, for vLLM's torch, IBM's fastsafetensors): the user's command, verbatim. Below torch
+    2.11 it builds the per-torch library."""
     venv = scratch / f"torch-{torch_version}"
     # The oldest torch runs on the oldest Python available.
     python = make_venv(venv, oldest_python() if torch_version == TORCH_RANGE[0] else BASE_PYTHON)
@@ -297,39 +438,50 @@ def test_no_build_isolation_install_per_torch(scratch, checkpoint, built_wheel, 
     run([python, "-m", "pip", "install", "--no-build-isolation", ROOT], cwd=scratch)
     run([python, "-m", "pip", "check"], cwd=scratch)
     print(check_load(python, checkpoint, venv, cwd=scratch))
+    kind = run([python, "-c", "import json, fastsafetensors_rs as f, pathlib; print(json.loads("
+                "(pathlib.Path(f.__file__).parent / '_build_info.json').read_text())['abi'])"], cwd=scratch)
+    stable = tuple(map(int, torch_version.split(".")[:2])) >= tuple(map(int, MIN_STABLE_TORCH.split(".")))
+    assert kind.stdout.strip() == ("stable" if stable else "torch"), kind.stdout
     run_core_tests(python, cwd=scratch)
-
     if extra:
-        # IBM's package is untouched and still what `import fastsafetensors` gives.
-        proc = run([python, "-c", textwrap.dedent("""
-            import importlib.metadata as md, fastsafetensors, fastsafetensors_rs
-            assert md.version("fastsafetensors") == "0.5.0", md.version("fastsafetensors")
-            assert "fastsafetensors_rs" not in fastsafetensors.__file__, fastsafetensors.__file__
-            assert hasattr(fastsafetensors, "SafeTensorsFileLoader")
-            print(fastsafetensors.__file__)
-        """)], cwd=scratch)
-        assert "site-packages/fastsafetensors/" in proc.stdout, proc.stdout
-        print("import fastsafetensors ->", proc.stdout.strip())
-        # After the opt-in, the same import gives this package's compatible API.
-        proc = run([python, "-c", textwrap.dedent("""
-            import fastsafetensors_rs
-            fastsafetensors_rs.install_as_fastsafetensors()
-            import fastsafetensors
-            from fastsafetensors.parallel_loader import ParallelLoader
-            assert fastsafetensors.SafeTensorsFileLoader is fastsafetensors_rs.SafeTensorsFileLoader
-            assert ParallelLoader is fastsafetensors_rs.ParallelLoader
-            print("opted in")
-        """)], cwd=scratch)
-        assert proc.stdout.split() == ["opted", "in"], proc.stdout
-        run([python, "-m", "pip", "check"], cwd=scratch)
+        check_beside_ibm(python, scratch)
 
-    # The wheel built against .venv's torch refuses to load here, naming both versions.
+    # The wheel built against .venv's torch: under a torch older than its minimum it refuses
+    # to load, naming both; under a newer one it loads.
     site = scratch / f"other-torch-{torch_version}"
     run([python, "-m", "pip", "install", "--no-deps", "--target", site, built_wheel], cwd=scratch)
     proc = run([python, "-c", "import fastsafetensors_rs"], cwd=scratch, env={"PYTHONPATH": str(site)}, check=False)
-    built_for = run([sys.executable, "-c", "import torch; print(torch.__version__)"], cwd=scratch).stdout.strip()
-    assert proc.returncode == 1 and "ImportError" in proc.stderr, proc.stderr
-    assert f"compiled against torch {built_for}" in proc.stderr, proc.stderr
-    assert f"this environment has torch {torch_version}" in proc.stderr, proc.stderr
-    assert "--no-build-isolation" in proc.stderr, proc.stderr
+    if stable:
+        assert proc.returncode == 0, proc.stderr
+    else:
+        assert proc.returncode == 1 and "ImportError" in proc.stderr, proc.stderr
+        assert f"needs torch>={MIN_STABLE_TORCH}" in proc.stderr, proc.stderr
+        assert f"this environment has torch {torch_version}" in proc.stderr, proc.stderr
+        assert "--no-build-isolation" in proc.stderr, proc.stderr
     shutil.rmtree(venv)
+
+
+def check_beside_ibm(python, scratch, env=None) -> None:
+    """IBM's fastsafetensors, installed beside this package, is untouched and still what
+    `import fastsafetensors` gives, until the opt-in."""
+    proc = run([python, "-c", textwrap.dedent("""
+        import importlib.metadata as md, fastsafetensors, fastsafetensors_rs
+        assert md.version("fastsafetensors") == "0.5.0", md.version("fastsafetensors")
+        assert "fastsafetensors_rs" not in fastsafetensors.__file__, fastsafetensors.__file__
+        assert hasattr(fastsafetensors, "SafeTensorsFileLoader")
+        print(fastsafetensors.__file__)
+    """)], cwd=scratch, env=env)
+    assert "site-packages/fastsafetensors/" in proc.stdout, proc.stdout
+    print("import fastsafetensors ->", proc.stdout.strip())
+    # After the opt-in, the same import gives this package's compatible API.
+    proc = run([python, "-c", textwrap.dedent("""
+        import fastsafetensors_rs
+        fastsafetensors_rs.install_as_fastsafetensors()
+        import fastsafetensors
+        from fastsafetensors.parallel_loader import ParallelLoader
+        assert fastsafetensors.SafeTensorsFileLoader is fastsafetensors_rs.SafeTensorsFileLoader
+        assert ParallelLoader is fastsafetensors_rs.ParallelLoader
+        print("opted in")
+    """)], cwd=scratch, env=env)
+    assert proc.stdout.split() == ["opted", "in"], proc.stdout
+    run([python, "-m", "pip", "check"], cwd=scratch, env=env)

@@ -102,6 +102,24 @@ def assert_same_dict(actual: dict, expected: dict) -> None:
         assert_same_tensor(actual[name], t, name)
 
 
+# The ops as dicts, for the tests that compare what they return: `load` gives names beside
+# tensors, `load_with_report` those and how each file was read, `metadata` keys beside values
+# (None for none): the schemas LibTorch's stable ABI can express (no Dict returns).
+def op_load(*args, **kwargs) -> dict[str, torch.Tensor]:
+    names, tensors = torch.ops.fastsafetensors.load(*args, **kwargs)
+    return dict(zip(names, tensors))
+
+
+def op_load_with_report(*args, **kwargs) -> tuple[dict[str, torch.Tensor], list[str]]:
+    names, tensors, read_paths = torch.ops.fastsafetensors.load_with_report(*args, **kwargs)
+    return dict(zip(names, tensors)), read_paths
+
+
+def op_metadata(path) -> dict[str, str] | None:
+    keys, values = torch.ops.fastsafetensors.metadata(str(path))
+    return None if keys is None else dict(zip(keys, values))
+
+
 def all_dtype_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     """One tensor per dtype of a few shapes, plus zero-sized and scalar tensors."""
     out: dict[str, torch.Tensor] = {}

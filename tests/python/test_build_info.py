@@ -1,7 +1,8 @@
 """The build record beside the extension, and which torch may load it (`_build_info`).
 
-tests/install builds against real torch 2.8 and 2.14 and imports a 2.15 build there; these
-tests cover the rule itself and the import path with a record edited in a copy."""
+tests/install installs the stable-ABI wheel under real torch 2.10, 2.11, 2.14 and 2.15 and
+builds the per-torch library against torch 2.8; these tests cover the rule itself and the
+import path with a record edited in a copy."""
 
 from __future__ import annotations
 
@@ -22,8 +23,33 @@ RUNNING = _build_info.describe(torch)
 def test_the_installed_extension_records_the_running_torch():
     recorded = json.loads((Path(fastsafetensors_rs.__file__).parent / _build_info.FILE).read_text())
     assert recorded["torch"] == torch.__version__
-    assert recorded["cxx11_abi"] == torch._C._GLIBCXX_USE_CXX11_ABI
+    if recorded["abi"] == _build_info.STABLE:  # the default build with torch >= 2.11
+        assert recorded["min_torch"] == "2.11"
+    else:
+        assert recorded["abi"] == _build_info.PER_TORCH
+        assert recorded["cxx11_abi"] == torch._C._GLIBCXX_USE_CXX11_ABI
     assert _build_info.incompatibility(recorded, RUNNING) is None
+
+
+STABLE_RECORD = {"abi": "stable", "torch": "2.15.0", "min_torch": "2.11"}
+
+
+@pytest.mark.parametrize("running", ["2.11.0", "2.11.0+cu130", "2.14.1", "2.15.0", "2.16.0", "3.0.0"])
+def test_the_stable_library_loads_under_its_minimum_and_later(running):
+    assert _build_info.incompatibility(STABLE_RECORD, {"torch": running, "cxx11_abi": False}) is None
+
+
+@pytest.mark.parametrize("running", ["2.10.0", "2.10.1+cu128", "2.8.0", "1.13.1"])
+def test_the_stable_library_names_the_minimum_and_the_source_build_under_an_older_torch(running):
+    problem = _build_info.incompatibility(STABLE_RECORD, {"torch": running, "cxx11_abi": True})
+    assert "needs torch>=2.11" in problem and f"this environment has torch {running}" in problem
+    assert "pip install --no-build-isolation" in problem and "from source" in problem
+
+
+def test_records_without_a_kind_are_per_torch():
+    """Records written before the stable-ABI library existed."""
+    assert _build_info.incompatibility({"torch": "2.14.0", "cxx11_abi": True},
+                                       {"torch": "2.15.0", "cxx11_abi": True}) is not None
 
 
 @pytest.mark.parametrize("built, running", [
@@ -47,7 +73,9 @@ def test_another_cxx11_abi_is_refused():
     assert "_GLIBCXX_USE_CXX11_ABI=0" in problem and "_GLIBCXX_USE_CXX11_ABI=1" in problem
 
 
-@pytest.mark.parametrize("record", [{"torch": "2.7.1+cu126", "cxx11_abi": True}, None], ids=["other-torch", "missing"])
+@pytest.mark.parametrize("record", [
+    {"torch": "2.7.1+cu126", "cxx11_abi": True}, {"abi": "stable", "torch": "2.15.0", "min_torch": "2.99"}, None,
+], ids=["other-torch", "newer-minimum", "missing"])
 def test_import_refuses_a_mismatched_or_missing_record(tmp_path, record):
     """A copy of the installed package whose record names another torch (or has none) fails
     to import with an ImportError, before the library is loaded."""
@@ -72,6 +100,8 @@ def test_import_refuses_a_mismatched_or_missing_record(tmp_path, record):
     out = U.check_output(proc)
     if record is None:
         assert f"{_build_info.FILE} (which torch the extension was compiled against) is missing" in out, out
+    elif record.get("abi") == "stable":
+        assert "needs torch>=2.99" in out and f"this environment has torch {torch.__version__}" in out, out
     else:
         assert f"compiled against torch 2.7.1+cu126, but this environment has torch {torch.__version__}" in out, out
     assert out.strip().endswith("False"), f"the library was loaded anyway:\n{out}"

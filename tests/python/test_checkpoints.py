@@ -57,8 +57,8 @@ def _loaders():
     return {
         "load_file": lambda p: fastsafetensors_rs.load_file(p),
         "load": lambda p: fastsafetensors_rs.load([p], reader="direct"),
-        "op": lambda p: ops.load([str(p)]),
-        "op_mmap": lambda p: ops.load([str(p)], "cpu", None, "mmap"),
+        "op": lambda p: U.op_load([str(p)]),
+        "op_mmap": lambda p: U.op_load([str(p)], "cpu", None, "mmap"),
         "weights_iterator": lambda p: dict(fastsafetensors_rs.weights_iterator([p])),
     }
 
@@ -129,13 +129,14 @@ def test_a_checkpoint_saved_by_transformers(tmp_path):
     for shard in shards:
         want.update(st_load_file(str(shard)))
     U.assert_same_dict(fastsafetensors_rs.load_file(tmp_path), want)
-    U.assert_same_dict(ops.load([str(index)]), want)
+    U.assert_same_dict(U.op_load([str(index)]), want)
 
 
 def test_torchscript_loads_a_directory(sharded):
     @torch.jit.script
     def load_dir(path: str) -> dict[str, torch.Tensor]:
-        return torch.ops.fastsafetensors.load([path])
+        names, tensors = torch.ops.fastsafetensors.load([path])
+        return {name: t for name, t in zip(names, tensors)}
 
     U.assert_same_dict(load_dir(str(sharded)), ALL)
 
@@ -143,9 +144,9 @@ def test_torchscript_loads_a_directory(sharded):
 def test_fake_kernel_resolves_directories_as_the_op_does(sharded):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    real = ops.load([str(sharded)], "cpu", torch.float16)
+    real = U.op_load([str(sharded)], "cpu", torch.float16)
     with FakeTensorMode():
-        fake = ops.load([str(sharded)], "cpu", torch.float16)
+        fake = U.op_load([str(sharded)], "cpu", torch.float16)
     assert list(fake) == list(real)
     assert all(fake[k].dtype == real[k].dtype and fake[k].shape == real[k].shape for k in real)
 
@@ -171,7 +172,7 @@ def _broken(sharded: Path, edit) -> Path:
 
 def test_missing_shard_is_named_with_its_index(sharded):
     index = _broken(sharded, lambda m: m.update({"ids": "model-00003-of-00002.safetensors"}))
-    for call in (fastsafetensors_rs.load_file, lambda p: ops.load([str(p)])):
+    for call in (fastsafetensors_rs.load_file, lambda p: U.op_load([str(p)])):
         for path in (sharded, index):
             assert _error(call, path) == (
                 f"{index}: lists shard model-00003-of-00002.safetensors, which does not exist")
@@ -242,7 +243,7 @@ def test_json_that_is_no_index(tmp_path, text, reason):
     lambda p: fastsafetensors_rs.fastsafe_open(p),
     lambda p: fastsafetensors_rs.SafeTensorsFileLoader(fastsafetensors_rs.SingleGroup()).add_filenames({0: [p]}),
     lambda p: ops.keys(str(p)),
-    lambda p: ops.metadata(str(p)),
+    lambda p: U.op_metadata(str(p)),
 ], ids=["safe_open", "fastsafe_open", "SafeTensorsFileLoader", "keys", "metadata"])
 def test_single_file_readers_refuse_a_directory(sharded, call):
     assert _error(call, sharded) == (
@@ -267,7 +268,7 @@ def test_cli_reports_what_the_loader_refuses(sharded, capsys):
     assert cli.main(["verify", str(sharded)]) == 2
     err = capsys.readouterr().err
     with pytest.raises(RuntimeError) as info:
-        ops.load([str(sharded)])
+        U.op_load([str(sharded)])
     assert err == f"python -m fastsafetensors_rs verify: {info.value}\n"
 
 

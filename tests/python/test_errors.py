@@ -119,12 +119,12 @@ def _cli_verify(path):
 
 
 ENTRY_POINTS = {
-    "load_auto": (lambda p: ops.load([p], "cpu", None, "auto"), OP_ERRORS),
-    "load_direct": (lambda p: ops.load([p], "cpu", None, "direct"), OP_ERRORS),
-    "load_mmap": (lambda p: ops.load([p], "cpu", None, "mmap"), OP_ERRORS),
-    "load_with_report": (lambda p: ops.load_with_report([p]), OP_ERRORS),
+    "load_auto": (lambda p: U.op_load([p], "cpu", None, "auto"), OP_ERRORS),
+    "load_direct": (lambda p: U.op_load([p], "cpu", None, "direct"), OP_ERRORS),
+    "load_mmap": (lambda p: U.op_load([p], "cpu", None, "mmap"), OP_ERRORS),
+    "load_with_report": (lambda p: U.op_load_with_report([p]), OP_ERRORS),
     "keys": (lambda p: ops.keys(p), OP_ERRORS),
-    "metadata": (lambda p: ops.metadata(p), OP_ERRORS),
+    "metadata": (lambda p: U.op_metadata(p), OP_ERRORS),
     "load_file": (lambda p: fastsafetensors_rs.load_file(p), PY_ERRORS),
     "load_cast": (lambda p: fastsafetensors_rs.load([p], dtype=torch.float32), PY_ERRORS),
     "safe_open": (_safe_open_everything, PY_ERRORS),

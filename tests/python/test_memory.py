@@ -28,7 +28,7 @@ GiB = 1 << 30
 @pytest.mark.parametrize("reader", U.READERS)
 def test_tensors_outlive_the_dict(medium_file, reader):
     path, written = medium_file
-    got = ops.load([str(path)], "cpu", None, reader)
+    got = U.op_load([str(path)], "cpu", None, reader)
     keep = got["b.weight"]
     scalar = got["d.scalar"]
     del got
@@ -44,7 +44,7 @@ def test_tensors_outlive_the_dict(medium_file, reader):
 @pytest.mark.parametrize("reader", U.READERS)
 def test_views_outlive_their_base(medium_file, reader):
     path, written = medium_file
-    view = ops.load([str(path)], "cpu", None, reader)["a.weight"][100:200, 5:9]
+    view = U.op_load([str(path)], "cpu", None, reader)["a.weight"][100:200, 5:9]
     gc.collect()
     U.assert_same_tensor(view, written["a.weight"][100:200, 5:9])
 
@@ -78,7 +78,7 @@ def test_tensors_outlive_the_file(tmp_path, reader):
     tensors = {"w": U.random_tensor(torch.float32, (256, 256), 5), "i": U.random_tensor(torch.int32, (99,), 6)}
     path = U.write_checkpoint(tmp_path / "gone.safetensors", tensors)
     U.make_warm(path)
-    got = ops.load([str(path)], "cpu", None, reader)
+    got = U.op_load([str(path)], "cpu", None, reader)
     os.unlink(path)
     U.write_checkpoint(tmp_path / "gone.safetensors", {"w": torch.zeros(256, 256), "i": torch.zeros(99, dtype=torch.int32)})
     gc.collect()
@@ -88,7 +88,7 @@ def test_tensors_outlive_the_file(tmp_path, reader):
 def test_dict_and_tensors_are_garbage_collected(medium_file):
     """Loaded tensors hold no reference cycle that keeps them alive."""
     path, _ = medium_file
-    got = ops.load([str(path)], "cpu", None, "direct")
+    got = U.op_load([str(path)], "cpu", None, "direct")
     refs = [weakref.ref(t) for t in got.values()]
     del got
     assert all(r() is None for r in refs)
@@ -177,7 +177,9 @@ gc.collect()
 baseline = rss()
 loaded, released, paths = [], [], set()
 for _ in range(n):
-    tensors, report = ops.load_with_report([path], "cpu", None, reader)
+    names, loaded_tensors, report = ops.load_with_report([path], "cpu", None, reader)
+    tensors = dict(zip(names, loaded_tensors))
+    del loaded_tensors
     paths.update(report)
     touch(tensors)
     check(tensors)

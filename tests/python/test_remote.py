@@ -480,8 +480,6 @@ def _entries(cache: Path, timeout: float = 20.0, want: int | None = None) -> lis
 
 
 def test_the_cache_makes_the_next_load_local(http_server, local_models, tmp_path, monkeypatch):
-    from fastsafetensors_rs._ops import ops
-
     cache = tmp_path / "cache"
     monkeypatch.setenv("FASTSAFETENSORS_CACHE_DIR", str(cache))
     url = f"{http_server.url}/big/model.safetensors"
@@ -490,8 +488,8 @@ def test_the_cache_makes_the_next_load_local(http_server, local_models, tmp_path
     [entry] = _entries(cache, want=1)
     assert entry.read_bytes() == (local_models / "big" / "model.safetensors").read_bytes()
     http_server.reset()
-    tensors, read_paths = ops.load_with_report([url], "cpu", None, None, None)
-    U.assert_same_dict(dict(tensors), ref)
+    tensors, read_paths = U.op_load_with_report([url], "cpu", None, None, None)
+    U.assert_same_dict(tensors, ref)
     assert read_paths[0] != "remote", read_paths
     # Only the GET that asks for the object's version (with its header) went to the server.
     assert len(http_server.requests) == 1 and http_server.sent <= 1 << 20, http_server.requests

@@ -20,7 +20,7 @@ ops = torch.ops.fastsafetensors
 
 
 def load_report(files, reader=None, dtype=None):
-    tensors, paths = ops.load_with_report([str(f) for f in files], "cpu", dtype, reader)
+    tensors, paths = U.op_load_with_report([str(f) for f in files], "cpu", dtype, reader)
     assert isinstance(paths, list) and len(paths) == len(files), paths
     assert set(paths) <= U.READ_PATHS, paths
     return tensors, paths
@@ -40,7 +40,7 @@ def test_reference_fixture_is_what_was_written(all_dtypes_file):
 def test_all_dtypes_bit_exact(all_dtypes_file, reader):
     path, written = all_dtypes_file
     expected = st_load_file(str(path))
-    got = ops.load([str(path)], "cpu", None, reader)
+    got = U.op_load([str(path)], "cpu", None, reader)
     U.assert_same_dict(got, expected)
     U.assert_same_dict(got, written)
 
@@ -72,7 +72,7 @@ def test_load_file_accepts_str_and_pathlike(all_dtypes_file, reader):
 def test_load_file_defaults(all_dtypes_file):
     path, written = all_dtypes_file
     U.assert_same_dict(fastsafetensors_rs.load_file(path), written)
-    U.assert_same_dict(ops.load([str(path)]), written)
+    U.assert_same_dict(U.op_load([str(path)]), written)
 
 
 @pytest.mark.parametrize("reader", U.READERS)
@@ -99,7 +99,7 @@ def test_zero_sized_and_scalar_tensors(tmp_path, reader):
         "f32.vector": torch.arange(5, dtype=torch.float32),
     }
     path = U.write_checkpoint(tmp_path / "edge.safetensors", tensors)
-    got = ops.load([str(path)], "cpu", None, reader)
+    got = U.op_load([str(path)], "cpu", None, reader)
     U.assert_same_dict(got, st_load_file(str(path)))
     U.assert_same_dict(got, tensors)
     assert got["f32.empty"].shape == (0,)
@@ -129,7 +129,7 @@ def test_multi_file_load(multi_file_model, reader):
         ref = st_load_file(str(p))
         U.assert_same_dict(ref, shard)
         expected.update(ref)
-    got = ops.load([str(p) for p in paths], "cpu", None, reader)
+    got = U.op_load([str(p) for p in paths], "cpu", None, reader)
     U.assert_same_dict(got, expected)
     got = fastsafetensors_rs.load([str(p) for p in paths], reader=reader)
     U.assert_same_dict(got, expected)
@@ -145,8 +145,8 @@ def test_multi_file_python_load_accepts_pathlike_and_str(multi_file_model):
 
 
 def test_load_of_no_files_is_empty():
-    assert ops.load([]) == {}
-    tensors, paths = ops.load_with_report([])
+    assert U.op_load([]) == {}
+    tensors, paths = U.op_load_with_report([])
     assert tensors == {} and paths == []
 
 
@@ -170,7 +170,7 @@ def test_keys_are_sorted(all_dtypes_file):
 
 def test_metadata_present(all_dtypes_file):
     path, _ = all_dtypes_file
-    assert ops.metadata(str(path)) == {"format": "pt", "note": "all dtypes"}
+    assert U.op_metadata(str(path)) == {"format": "pt", "note": "all dtypes"}
     with fastsafetensors_rs.safe_open(path) as f:
         assert f.metadata() == {"format": "pt", "note": "all dtypes"}
 
@@ -179,7 +179,7 @@ def test_metadata_absent(tmp_path):
     path = U.write_checkpoint(tmp_path / "nometa.safetensors", {"a": torch.ones(2)})
     with st_safe_open(str(path), "pt") as f:
         assert f.metadata() is None
-    assert ops.metadata(str(path)) is None
+    assert U.op_metadata(str(path)) is None
     with fastsafetensors_rs.safe_open(path) as f:
         assert f.metadata() is None
 
@@ -188,7 +188,7 @@ def test_metadata_unicode_and_many_entries(tmp_path):
     meta = {f"key{i}": f"välue {i} ✓" for i in range(50)}
     meta["json"] = json.dumps({"nested": [1, 2, 3]})
     path = U.write_checkpoint(tmp_path / "meta.safetensors", {"a": torch.ones(2)}, metadata=meta)
-    assert ops.metadata(str(path)) == meta
+    assert U.op_metadata(str(path)) == meta
     with fastsafetensors_rs.safe_open(path) as f:
         assert f.metadata() == meta
 
@@ -304,7 +304,7 @@ def test_buffered_fallback_when_o_direct_is_refused(medium_file, no_o_direct_pre
         from safetensors.torch import load_file
         import fst_testutils as U
         path, reader = sys.argv[1], sys.argv[2]
-        tensors, paths = torch.ops.fastsafetensors.load_with_report([path], "cpu", None, reader)
+        tensors, paths = U.op_load_with_report([path], "cpu", None, reader)
         U.assert_same_dict(tensors, load_file(path))
         print(json.dumps(paths))
         """,
@@ -319,9 +319,9 @@ def test_buffered_fallback_when_o_direct_is_refused(medium_file, no_o_direct_pre
 def test_invalid_reader_name(all_dtypes_file, bad):
     path, _ = all_dtypes_file
     with pytest.raises(RuntimeError):
-        ops.load([str(path)], "cpu", None, bad)
+        U.op_load([str(path)], "cpu", None, bad)
     with pytest.raises(RuntimeError):
-        ops.load_with_report([str(path)], "cpu", None, bad)
+        U.op_load_with_report([str(path)], "cpu", None, bad)
     with pytest.raises((RuntimeError, ValueError)):
         fastsafetensors_rs.load_file(path, reader=bad)
 
@@ -382,7 +382,7 @@ def test_env_reader_in_fresh_process(medium_file, value, expected):
         import json, sys, torch, fastsafetensors_rs
         from safetensors.torch import load_file
         import fst_testutils as U
-        tensors, paths = torch.ops.fastsafetensors.load_with_report([sys.argv[1]])
+        tensors, paths = U.op_load_with_report([sys.argv[1]])
         U.assert_same_dict(tensors, load_file(sys.argv[1]))
         U.assert_same_dict(fastsafetensors_rs.load_file(sys.argv[1]), load_file(sys.argv[1]))
         print(json.dumps(paths))
@@ -424,7 +424,7 @@ FLOATING = {"bf16", "f16", "f32", "f64", "f32.scalar", "f16.empty"}
 def test_dtype_cast(tmp_path, reader, target):
     src = _cast_source()
     path = U.write_checkpoint(tmp_path / "cast.safetensors", src)
-    got = ops.load([str(path)], "cpu", target, reader)
+    got = U.op_load([str(path)], "cpu", target, reader)
     assert sorted(got) == sorted(src)
     for name, t in src.items():
         if name in FLOATING:
@@ -445,7 +445,7 @@ def test_dtype_cast_keeps_float8(tmp_path, reader, src_dtype):
     x = (torch.randn(8, 8, generator=torch.Generator().manual_seed(9)) * 3).abs().to(src_dtype)
     w = torch.randn(4, 4, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     path = U.write_checkpoint(tmp_path / "f8.safetensors", {"x": x, "w": w, "i": torch.arange(3)})
-    got = ops.load([str(path)], "cpu", torch.float32, reader)
+    got = U.op_load([str(path)], "cpu", torch.float32, reader)
     U.assert_same_tensor(got["x"], x, "x")
     U.assert_same_tensor(got["w"], w.float(), "w")
     U.assert_same_tensor(got["i"], torch.arange(3), "i")
@@ -466,7 +466,7 @@ def test_dtype_cast_bf16_to_float32_matches_reference(tmp_path):
 
 def test_dtype_cast_across_files(multi_file_model):
     paths, shards = multi_file_model
-    got = ops.load([str(p) for p in paths], "cpu", torch.float32, None)
+    got = U.op_load([str(p) for p in paths], "cpu", torch.float32, None)
     assert sorted(got) == sorted(k for shard in shards for k in shard)
     checked = 0
     for shard in shards:
@@ -562,7 +562,7 @@ def test_complex64_aligned_to_its_element_size(tmp_path, reader):
     path = U.write_raw(tmp_path / "c64.safetensors", hb, data)
     data_start = 8 + len(hb)
     assert (data_start + offsets["b.c64"]) % 8 == 4
-    got = ops.load([str(path)], "cpu", None, reader)
+    got = U.op_load([str(path)], "cpu", None, reader)
     U.assert_same_dict(got, tensors)
     for name in ("b.c64", "d.c64"):
         t = got[name]
@@ -573,7 +573,7 @@ def test_complex64_aligned_to_its_element_size(tmp_path, reader):
 @pytest.mark.parametrize("reader", U.READERS)
 def test_aligned_tensors_from_safetensors_files(all_dtypes_file, reader):
     path, _ = all_dtypes_file
-    for name, t in ops.load([str(path)], "cpu", None, reader).items():
+    for name, t in U.op_load([str(path)], "cpu", None, reader).items():
         assert t.data_ptr() % t.element_size() == 0, name
 
 
@@ -588,7 +588,7 @@ def _sha(path) -> str:
 def test_tensors_are_writable_and_independent(medium_file, reader):
     path, written = medium_file
     before = _sha(path)
-    got = ops.load([str(path)], "cpu", None, reader)
+    got = U.op_load([str(path)], "cpu", None, reader)
     w = got["b.weight"]
     w.add_(1.0)
     assert torch.equal(w, written["b.weight"] + 1.0)
@@ -602,7 +602,7 @@ def test_tensors_are_writable_and_independent(medium_file, reader):
     # The file and fresh loads never see the writes.
     assert _sha(path) == before
     for r in U.READERS:
-        U.assert_same_dict(ops.load([str(path)], "cpu", None, r), written)
+        U.assert_same_dict(U.op_load([str(path)], "cpu", None, r), written)
 
 
 def test_mmap_writes_do_not_reach_the_file(medium_file):

@@ -319,7 +319,7 @@ def test_a_bad_pattern_is_a_value_error(model):
         fastsafetensors_rs.stream(model, tensor_filter=[r"w\.("], tensor_name_match_mode="regex")
     # The op, as TorchScript and C++ call it, raises what every op raises.
     with pytest.raises(RuntimeError, match="^invalid argument: " + refused):
-        ops.load([str(model)], tensor_filter=[r"w\.("], tensor_name_match_mode="regex")
+        U.op_load([str(model)], tensor_filter=[r"w\.("], tensor_name_match_mode="regex")
 
 
 SIZES = ["1", "0", "256M", "256 M", " 256mb ", "256MiB", "2g", "2GIB", "1T", "7b", "B", "unlimited", "UNLIMITED ",
@@ -333,7 +333,7 @@ def test_max_memory_strings_are_checked_by_the_loaders_own_rule(size):
     from fastsafetensors_rs import api
 
     try:
-        ops.open_stream([], "cpu", None, "auto", None, "glob", size)
+        ops.close_stream(ops.open_stream([], "cpu", None, "auto", None, "glob", size))
         op_takes = True
     except RuntimeError as e:
         assert str(e) == f"invalid argument: max_memory={size!r} is not valid: expected {api.SIZE}"

@@ -63,7 +63,7 @@ def test_every_reader_and_filter_mode_is_bit_exact(multi_file_model, reader, mod
     assert want, "the filter selects something"
     everything = written(shards)
     # Batch loads: the op, load, load_file.
-    got = ops.load([str(p) for p in paths], "cpu", None, reader, None, patterns, match)
+    got = U.op_load([str(p) for p in paths], "cpu", None, reader, None, patterns, match)
     assert sorted(got) == sorted(want)
     got = fastsafetensors_rs.load(paths, reader=reader, tensor_filter=patterns, tensor_name_match_mode=match)
     U.assert_same_dict(got, {n: everything[n] for n in want})
@@ -121,17 +121,16 @@ def test_torchscript_can_filter_and_stream(multi_file_model):
 
     @torch.jit.script
     def scripted(files: list[str]) -> dict[str, torch.Tensor]:
-        out = torch.ops.fastsafetensors.load(files, tensor_filter=["model.layers.1.*"])
+        names, tensors = torch.ops.fastsafetensors.load(files, tensor_filter=["model.layers.1.*"])
+        out = {name: t for name, t in zip(names, tensors)}
         stream = torch.ops.fastsafetensors.open_stream(files, max_memory="1M")
         done = False
         while not done:
-            group = stream.next()
-            if group is None:
+            names, tensors = torch.ops.fastsafetensors.stream_next(stream)
+            if len(names) == 0:
                 done = True
-            else:
-                names, tensors = group
-                for i in range(len(names)):
-                    out["streamed." + names[i]] = tensors[i]
+            for i in range(len(names)):
+                out["streamed." + names[i]] = tensors[i]
         return out
 
     got = scripted([str(p) for p in paths])
@@ -294,7 +293,7 @@ def test_names_in_no_file_are_listed(multi_file_model):
         lambda: fastsafetensors_rs.load(paths, tensor_filter=names, tensor_name_match_mode="exact"),
         lambda: fastsafetensors_rs.stream(paths, tensor_filter=names, tensor_name_match_mode="exact"),
         lambda: fastsafetensors_rs.safe_open(paths, tensor_filter=names, tensor_name_match_mode="exact"),
-        lambda: ops.load([str(p) for p in paths], tensor_filter=names, tensor_name_match_mode="exact"),
+        lambda: U.op_load([str(p) for p in paths], tensor_filter=names, tensor_name_match_mode="exact"),
     ):
         with pytest.raises(RuntimeError, match=pattern):
             call()
@@ -305,7 +304,7 @@ def test_bad_filter_arguments_are_clear_errors(multi_file_model):
     with pytest.raises(ValueError, match="tensor_name_match_mode='fnmatch'"):
         fastsafetensors_rs.load(paths, tensor_filter="*", tensor_name_match_mode="fnmatch")
     with pytest.raises(RuntimeError, match="unknown tensor_name_match_mode 'fnmatch'"):
-        ops.load([str(paths[0])], tensor_filter=["*"], tensor_name_match_mode="fnmatch")
+        U.op_load([str(paths[0])], tensor_filter=["*"], tensor_name_match_mode="fnmatch")
     with pytest.raises(ValueError, match=re.escape("pattern 'layers\\.(' is not valid: unclosed group (at character 9)")):
         fastsafetensors_rs.load(paths, tensor_filter=r"layers\.(", tensor_name_match_mode="regex")
     with pytest.raises(TypeError, match="expected names or patterns"):
@@ -363,7 +362,7 @@ reset_peak()
 out = {}
 if mode == "consume":
     # Copy each tensor into a preallocated parameter, as transformers and vLLM do.
-    names, dtypes, shapes, _ = torch.ops.fastsafetensors.describe(path)
+    names, dtypes, shapes, *_ = torch.ops.fastsafetensors.describe(path)
     params = {n: torch.zeros(s, dtype=torch.uint8) for n, s in zip(names, shapes)}
     base = rss()
     reset_peak()
@@ -449,7 +448,7 @@ def test_loads_larger_than_the_host_memory_limit_map_what_does_not_fit(tmp_path)
         paths = sys.argv[1:]
         for p in paths:
             U.make_cold(p)
-        tensors, read_paths = torch.ops.fastsafetensors.load_with_report(paths)
+        tensors, read_paths = U.op_load_with_report(paths)
         sums = {n: int(t.view(torch.uint8).sum()) for n, t in tensors.items()}
         try:
             torch.ops.fastsafetensors.load(paths, reader="direct")

@@ -1,5 +1,7 @@
 """The ops are usable from TorchScript, and scripted code that calls them can be saved and
-run in another process."""
+run in another process. The scripted functions here are what a TorchScript caller writes:
+`load` gives names beside tensors (a dict is one comprehension away), `metadata` keys beside
+values, and a stream is a handle read with `stream_next` until it gives no names."""
 
 from __future__ import annotations
 
@@ -16,32 +18,51 @@ import fst_testutils as U
 
 @torch.jit.script
 def scripted_load(files: List[str]) -> Dict[str, torch.Tensor]:
-    return torch.ops.fastsafetensors.load(files)
+    names, tensors = torch.ops.fastsafetensors.load(files)
+    return {name: t for name, t in zip(names, tensors)}
 
 
 @torch.jit.script
 def scripted_load_full(files: List[str], reader: str) -> Dict[str, torch.Tensor]:
-    return torch.ops.fastsafetensors.load(files, "cpu", None, reader)
+    names, tensors = torch.ops.fastsafetensors.load(files, "cpu", None, reader)
+    return {name: t for name, t in zip(names, tensors)}
 
 
 @torch.jit.script
 def scripted_load_as_float(files: List[str]) -> Dict[str, torch.Tensor]:
-    return torch.ops.fastsafetensors.load(files, device="cpu", dtype=torch.float32, reader="mmap")
+    names, tensors = torch.ops.fastsafetensors.load(files, device="cpu", dtype=torch.float32, reader="mmap")
+    return {name: t for name, t in zip(names, tensors)}
 
 
 @torch.jit.script
 def scripted_report(files: List[str], reader: Optional[str]) -> Tuple[Dict[str, torch.Tensor], List[str]]:
-    return torch.ops.fastsafetensors.load_with_report(files, "cpu", None, reader)
+    names, tensors, read_paths = torch.ops.fastsafetensors.load_with_report(files, "cpu", None, reader)
+    return {name: t for name, t in zip(names, tensors)}, read_paths
 
 
 @torch.jit.script
-def scripted_inspect(file: str) -> Tuple[List[str], int]:
+def scripted_inspect(file: str) -> Tuple[List[str], Dict[str, str]]:
     keys = torch.ops.fastsafetensors.keys(file)
-    meta = torch.ops.fastsafetensors.metadata(file)
-    n = 0
-    if meta is not None:
-        n = len(meta)
-    return keys, n
+    meta_keys, meta_values = torch.ops.fastsafetensors.metadata(file)
+    meta: Dict[str, str] = {}
+    if meta_keys is not None and meta_values is not None:
+        meta = {k: v for k, v in zip(meta_keys, meta_values)}
+    return keys, meta
+
+
+@torch.jit.script
+def scripted_stream(files: List[str], max_memory: str) -> Tuple[List[str], List[torch.Tensor], int]:
+    stream = torch.ops.fastsafetensors.open_stream(files, "cpu", None, None, None, "glob", max_memory)
+    count = torch.ops.fastsafetensors.stream_info(stream)[3]
+    names: List[str] = []
+    tensors: List[torch.Tensor] = []
+    while True:
+        group_names, group_tensors = torch.ops.fastsafetensors.stream_next(stream)
+        if len(group_names) == 0:
+            break  # the end; the stream closed itself (close_stream stops one early)
+        names.extend(group_names)
+        tensors.extend(group_tensors)
+    return names, tensors, count
 
 
 class Loader(torch.nn.Module):
@@ -52,7 +73,8 @@ class Loader(torch.nn.Module):
         self.reader = reader
 
     def forward(self, files: List[str]) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
-        tensors = torch.ops.fastsafetensors.load(files, "cpu", None, self.reader)
+        names, loaded = torch.ops.fastsafetensors.load(files, "cpu", None, self.reader)
+        tensors = {name: t for name, t in zip(names, loaded)}
         total = torch.zeros([], dtype=torch.float64)
         for name in sorted(tensors.keys()):
             t = tensors[name]
@@ -97,9 +119,23 @@ def test_scripted_report_and_inspect(tmp_path):
     U.assert_same_dict(got, tensors)
     got, paths = scripted_report([str(path)], None)
     assert len(paths) == 1 and paths[0] in U.READ_PATHS
-    keys, n_meta = scripted_inspect(str(path))
+    keys, meta = scripted_inspect(str(path))
     assert keys == sorted(tensors)
-    assert n_meta == 1
+    assert meta == {"format": "pt"}
+
+
+def test_scripted_stream(tmp_path):
+    path, tensors = _checkpoint(tmp_path)
+    names, got, count = scripted_stream([str(path)], "1M")
+    assert count == len(tensors) and sorted(names) == sorted(tensors)
+    U.assert_same_dict(dict(zip(names, got)), tensors)
+    # An early stop: close_stream, after which the handle is refused.
+    ops = torch.ops.fastsafetensors
+    stream = ops.open_stream([str(path)])
+    assert len(ops.stream_next(stream)[0]) > 0
+    assert ops.close_stream(stream) is True and ops.close_stream(stream) is False
+    with pytest.raises(RuntimeError, match=f"stream {stream} is not open"):
+        ops.stream_next(stream)
 
 
 def test_scripted_errors_are_runtime_errors(tmp_path):

@@ -88,7 +88,7 @@ def main():
 
         for reader in ("auto", "mmap", "direct"):
             check(f"load {reader}", lambda r=reader: same(load(files, reader=r), want))
-            check(f"op load {reader}", lambda r=reader: same(ops.load(files, "cpu", None, r, None), want))
+            check(f"op load {reader}", lambda r=reader: same(dict(zip(*ops.load(files, "cpu", None, r, None))), want))
         check("load_file", lambda: same(load_file(files[0]), reference_load_file(files[0])))
 
         def survivors():
@@ -114,10 +114,10 @@ def main():
         check("dtype cast", cast)
 
         def header_ops():
-            names, dtypes, shapes, metadata = ops.describe(files[2])
-            assert sorted(names) == sorted(tensors(2)) and metadata["index"] == "2"
+            names, dtypes, shapes, meta_keys, meta_values = ops.describe(files[2])
+            assert sorted(names) == sorted(tensors(2)) and dict(zip(meta_keys, meta_values))["index"] == "2"
             assert ops.keys(files[2]) == sorted(tensors(2))
-            assert ops.metadata(files[0])["format"] == "pt"
+            assert dict(zip(*ops.metadata(files[0])))["format"] == "pt"
 
         check("keys, metadata, describe", header_ops)
 

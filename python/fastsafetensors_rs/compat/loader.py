@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from .. import api as _api
 from .._dtypes import cast_dtype
-from .._ops import ops
+from .._ops import describe
 from .buffer import FileEntry, FilesBufferOnDevice, TensorEntry, TensorNotFoundError
 from .collectives import Group
 from .types import (
@@ -46,14 +46,14 @@ class _Header:
 
 def read_header(path: str, rank: int) -> _Header:
     """The header of `path` (no tensor data is read); errors name the file."""
-    names, dtypes, shapes, metadata = ops.describe(path)
+    names, dtypes, shapes, metadata = describe(path)
     return _Header(
         path=path,
         rank=rank,
         names=tuple(names),
         st_dtypes=tuple(dtypes),
         shapes=tuple(tuple(int(d) for d in s) for s in shapes),
-        metadata=None if metadata is None else dict(metadata),
+        metadata=metadata,
     )
 
 
