@@ -2,8 +2,8 @@
 
 The extension is C++ compiled against torch's headers and linked against its libraries: for
 torch 2.8 to 2.10 against that torch release's C++ API, which changes between minor releases,
-and from torch 2.11 on against the stable ABI, whose oldest target the installed torch's
-headers decide. Either way it is compiled against the torch that will import it, the one
+and from torch 2.11 on against its stable ABI (targeting 2.11, so that the library also
+loads under every later torch). Either way it is compiled against the headers of the torch
 installed in the target environment. pip's default build isolation
 hides that torch and would have to download another one (about 3 GB, whatever version is
 newest) to compile against. So building a wheel where torch cannot be imported fails at once,
