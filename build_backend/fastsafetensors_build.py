@@ -1,8 +1,10 @@
 """The build backend: setuptools' own, with one rule added first.
 
-The extension is C++ compiled against torch's headers and linked against its libraries, and
-torch's C++ ABI changes between minor releases: it must be compiled against the torch that
-will import it, the one installed in the target environment. pip's default build isolation
+The extension is C++ compiled against torch's headers and linked against its libraries: for
+torch 2.8 to 2.10 against that torch release's C++ API, which changes between minor releases,
+and from torch 2.11 on against its stable ABI (targeting 2.11, so that the library also
+loads under every later torch). Either way it is compiled against the headers of the torch
+installed in the target environment. pip's default build isolation
 hides that torch and would have to download another one (about 3 GB, whatever version is
 newest) to compile against. So building a wheel where torch cannot be imported fails at once,
 before anything is downloaded or compiled, and says how to build instead. A source
@@ -19,7 +21,9 @@ from setuptools.build_meta import build_sdist, get_requires_for_build_sdist  # n
 
 NO_TORCH = """
 fastsafetensors-rs compiles a torch extension against the torch installed in the environment
-that will import it, and no torch can be imported here.
+that will import it, and no torch can be imported here. (With torch 2.11 or newer there is
+nothing to compile: the prebuilt wheel serves every such torch,
+`pip install --only-binary fastsafetensors-rs fastsafetensors-rs`.)
 
 If you ran pip with its default build isolation, build in your environment instead:
 

@@ -12,10 +12,20 @@
 #include <torch/headeronly/core/ScalarType.h>
 
 #include <algorithm>
+#include <array>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+// A failed torch call raises: with torch's own message where the headers can ask for it (the
+// newer headers' check, through torch_exception_get_what at run time from torch 2.13); with
+// the call's name where they cannot (building against torch 2.11 to 2.13).
+#ifdef STABLE_TORCH_ERROR_CODE_CHECK
+#define FST_CHECK_CALL(call) STABLE_TORCH_ERROR_CODE_CHECK(call)
+#else
+#define FST_CHECK_CALL(call) TORCH_ERROR_CODE_CHECK(call)
+#endif
 
 namespace fastsafetensors::tt {
 
@@ -49,10 +59,10 @@ template <void (*Release)(void*)>
 Tensor view_of(void* data, const std::vector<int64_t>& shape, ScalarType type, void* ctx) {
   const auto strides = detail::contiguous_strides(shape);
   AtenTensorHandle out = nullptr;
-  STABLE_TORCH_ERROR_CODE_CHECK(torch_from_blob(data, static_cast<int64_t>(shape.size()), shape.data(),
-                                                strides.data(), 0, detail::shim_dtype(type),
-                                                aoti_torch_device_type_cpu(), -1, &out, aoti_torch_layout_strided(),
-                                                nullptr, 0, [](void*, void* context) { Release(context); }, ctx));
+  FST_CHECK_CALL(torch_from_blob(data, static_cast<int64_t>(shape.size()), shape.data(),
+                                 strides.data(), 0, detail::shim_dtype(type), aoti_torch_device_type_cpu(), -1,
+                                 &out, aoti_torch_layout_strided(), nullptr, 0,
+                                 [](void*, void* context) { Release(context); }, ctx));
   return Tensor(out);
 }
 
@@ -66,8 +76,12 @@ inline Tensor empty(const std::vector<int64_t>& shape, ScalarType type, int32_t 
 
 inline Tensor narrow(Tensor t, int64_t start, int64_t len) { return torch::stable::narrow(t, 0, start, len); }
 inline Tensor clone(const Tensor& t) { return torch::stable::clone(t); }
+// aten::view.dtype through the dispatcher (torch::stable::view(t, dtype) is only in the headers
+// of torch 2.14 and later; the op runs under every torch).
 inline Tensor reinterpret(const Tensor& t, ScalarType type, const std::vector<int64_t>& shape) {
-  return torch::stable::view(torch::stable::view(t, type), shape);
+  std::array<StableIValue, 2> stack{torch::stable::detail::from(t), torch::stable::detail::from(type)};
+  FST_CHECK_CALL(torch_call_dispatcher("aten::view", "dtype", stack.data(), TORCH_ABI_VERSION));
+  return torch::stable::view(torch::stable::detail::to<Tensor>(stack[0]), shape);
 }
 inline Tensor cast(const Tensor& t, ScalarType type) { return torch::stable::to(t, std::optional<ScalarType>(type)); }
 inline Tensor to_cuda(const Tensor& t, int32_t index) { return torch::stable::to(t, detail::device(index)); }

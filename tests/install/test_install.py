@@ -308,7 +308,25 @@ def test_release_wheel_without_a_toolchain(scratch, checkpoint, release_wheel, t
     run_core_tests(python, cwd=scratch, env=env)
     if extra:
         check_beside_ibm(python, scratch, env)
+    if torch_version == TORCH_WHEEL[0]:
+        check_compiles_against(python, scratch)
     shutil.rmtree(venv)
+
+
+def check_compiles_against(python, scratch) -> None:
+    """The stable-ABI sources compile against this torch's own headers (the oldest the wheel
+    serves, whose headers lack what later ones add): a source build there works too. With
+    the checkout's compiler, outside the toolchain-free environment."""
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        print(f"not checked: no C++ compiler ({cxx}) to compile the sources against this torch's headers")
+        return
+    include = run([python, "-c", "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'include'))"],
+                  cwd=scratch).stdout.strip()
+    major, minor = map(int, MIN_STABLE_TORCH.split("."))
+    run([cxx, "-std=c++17", "-fsyntax-only", f"-I{include}", f"-I{ROOT / 'target' / 'cxxbridge'}",
+         "-DFASTSAFETENSORS_STABLE_ABI", f"-DTORCH_TARGET_VERSION=0x{major:02x}{minor:02x}000000000000",
+         ROOT / "csrc" / "ops.cpp"], cwd=scratch)
 
 
 def test_release_wheel_names_the_minimum_under_an_older_torch(scratch, release_wheel):
