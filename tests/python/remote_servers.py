@@ -127,28 +127,12 @@ class _FileHandler(BaseHTTPRequestHandler):
                 left -= len(chunk)
 
 
-class FileServer(ThreadingHTTPServer):
-    """Serves `root` on 127.0.0.1 in a background thread. `sent` counts body bytes."""
+class _LoopbackServer(ThreadingHTTPServer):
+    """A threaded HTTP server on 127.0.0.1, served from a background thread while in a `with`."""
 
-    daemon_threads = True
-
-    def __init__(self, root: Path, port: int = 0, delay: float = 0.0):
-        super().__init__(("127.0.0.1", port), _FileHandler)
-        self.root = Path(root).resolve()
-        self.delay = delay
-        self.sent = 0
-        self.requests: list = []
-        self._lock = threading.Lock()
+    def __init__(self, port: int, handler):
+        super().__init__(("127.0.0.1", port), handler)
         self._thread = threading.Thread(target=self.serve_forever, daemon=True)
-
-    def count(self, n: int) -> None:
-        with self._lock:
-            self.sent += n
-
-    def reset(self) -> None:
-        with self._lock:
-            self.sent = 0
-            self.requests.clear()
 
     @property
     def url(self) -> str:
@@ -161,6 +145,29 @@ class FileServer(ThreadingHTTPServer):
     def __exit__(self, *exc):
         self.shutdown()
         self.server_close()
+
+
+class FileServer(_LoopbackServer):
+    """Serves `root` on 127.0.0.1 in a background thread. `sent` counts body bytes."""
+
+    daemon_threads = True
+
+    def __init__(self, root: Path, port: int = 0, delay: float = 0.0):
+        super().__init__(port, _FileHandler)
+        self.root = Path(root).resolve()
+        self.delay = delay
+        self.sent = 0
+        self.requests: list = []
+        self._lock = threading.Lock()
+
+    def count(self, n: int) -> None:
+        with self._lock:
+            self.sent += n
+
+    def reset(self) -> None:
+        with self._lock:
+            self.sent = 0
+            self.requests.clear()
 
 
 # ------------------------------------------------------------------------------ fault proxy
@@ -210,33 +217,20 @@ class _ProxyHandler(BaseHTTPRequestHandler):
     do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
 
 
-class FaultProxy(ThreadingHTTPServer):
+class FaultProxy(_LoopbackServer):
     """An HTTP proxy on 127.0.0.1 to `upstream` (a port on 127.0.0.1) that answers the next
     `fail_next` requests with 503 SlowDown and holds each other request `delay` seconds."""
 
     daemon_threads = True
 
     def __init__(self, upstream: int):
-        super().__init__(("127.0.0.1", 0), _ProxyHandler)
+        super().__init__(0, _ProxyHandler)
         self.upstream = upstream
         self.fail_next = 0
         self.failed = 0
         self.seen = 0
         self.delay = 0.0
         self.lock = threading.Lock()
-        self._thread = threading.Thread(target=self.serve_forever, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.shutdown()
-        self.server_close()
 
 
 # ------------------------------------------------------------------------------ Garage
