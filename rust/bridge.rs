@@ -570,7 +570,11 @@ fn share_load(
             })
             .collect();
         let files: Vec<String> = planned.paths().iter().map(|p| p.to_string_lossy().into_owned()).collect();
-        Ok(serde_json::json!({"files": files, "buffers": buffers, "tensors": tensors}).to_string())
+        // What the ranks compare before reading for each other: the same path may hold other
+        // bytes on another rank (another working directory, another mount, another copy).
+        let fingerprints = planned.fingerprints()?;
+        let plan = serde_json::json!({"files": files, "buffers": buffers, "tensors": tensors, "fingerprints": fingerprints});
+        Ok(plan.to_string())
     })
 }
 

@@ -176,3 +176,25 @@ fn a_source_replaced_during_a_load_is_an_error_naming_it() {
         other => panic!("expected Changed, got {:?}", other.map(|l| l.read_paths())),
     }
 }
+
+#[test]
+fn fingerprints_tell_apart_files_of_one_layout_and_agree_on_copies() {
+    let dir = TempDir::new("source-fingerprint");
+    let bytes = safetensors(TENSORS, 8);
+    let file = LocalFile::open(&dir.write("model.safetensors", &bytes)).unwrap();
+    let fingerprint = file.fingerprint().unwrap();
+    // The same bytes elsewhere (a copy, another mtime, held in memory): the same fingerprint.
+    assert_eq!(MemorySource::new("copy", bytes.clone()).fingerprint().unwrap(), fingerprint);
+    // Another fine-tune of the same layout: a value changed in a sampled page of the data
+    // (the first and the last are), or in the header.
+    let header_end = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    for at in [header_end, bytes.len() - 1, 10] {
+        let mut other = bytes.clone();
+        other[at] ^= 1;
+        assert_ne!(MemorySource::new("other", other).fingerprint().unwrap(), fingerprint, "byte {at} flipped");
+    }
+    // A size of its own.
+    assert_ne!(MemorySource::new("short", bytes[..bytes.len() - 1].to_vec()).fingerprint().unwrap(), fingerprint);
+    // Sources too small to hold a header still have one.
+    assert_eq!(MemorySource::new("tiny", vec![1, 2]).fingerprint().unwrap().len(), 64);
+}

@@ -19,7 +19,9 @@ Which group to pass:
 A group of one rank is an ordinary load.
 
 Every rank must ask for the same load (files, tensor filter, dtype, device type, memory
-budget); a difference is refused at once on every rank, naming it. A rank whose read fails
+budget) and see the same bytes under its paths (each file's fingerprint: its size, its header
+and up to 64 pages sampled over its data, or an object's ETag or version id); a difference is
+refused at once on every rank, naming it. A rank whose read fails
 makes every rank raise, naming the file and the rank: no rank returns a tensor whose buffer
 was not filled by all of them.
 """
@@ -142,9 +144,11 @@ class SharedLoad:
             self.plan = json.loads(text)
         except (RuntimeError, ValueError, OSError) as e:
             failure = f"{type(e).__name__}: {e}"
+        # Compared file by file (to name the file), apart from the plan's layout.
+        fingerprints = self.plan.pop("fingerprints", [])
         digest = hashlib.sha256(json.dumps(self.plan, sort_keys=True).encode()).hexdigest()
         try:
-            self._agree(request, digest, failure)
+            self._agree(request, digest, fingerprints, failure)
         except BaseException:
             self.close()
             raise
@@ -157,21 +161,33 @@ class SharedLoad:
             raise ValueError("process_group: an NCCL group exchanges CUDA tensors only; to load to the CPU, "
                              "pass a gloo group (torch.distributed.new_group(backend='gloo'))")
 
-    def _agree(self, request: Dict[str, Any], digest: str, failure: Optional[str]) -> None:
-        """Every rank learns what every other asked for and planned: a failure or a difference
-        raises on all of them, before anything is read."""
+    def _agree(self, request: Dict[str, Any], digest: str, fingerprints: List[str], failure: Optional[str]) -> None:
+        """Every rank learns what every other asked for, planned and holds: a failure or a
+        difference raises on all of them, before anything is read."""
         everyone: List[Any] = [None] * self.world
-        self._dist.all_gather_object(everyone, (request, digest, failure), group=self._group)
-        for r, (_, _, failed) in enumerate(everyone):
+        self._dist.all_gather_object(everyone, (request, digest, fingerprints, failure), group=self._group)
+        for r, (_, _, _, failed) in enumerate(everyone):
             if failed:
                 raise RuntimeError(f"{failed} (on rank {r} of the {self.world} ranks loading together)")
         for key in request:
-            values = [asked[key] for asked, _, _ in everyone]
+            values = [asked[key] for asked, _, _, _ in everyone]
             for r, v in enumerate(values):
                 if v != values[0]:
                     raise ValueError(f"process_group: the ranks asked for different loads: {key} is {values[0]!r} "
                                      f"on rank 0 but {v!r} on rank {r}")
-        for r, (_, theirs, _) in enumerate(everyone):
+        # The same bytes first: a rank reads its part for every other, so a file that differs
+        # between ranks would give each a mix of both (even where the layouts agree).
+        for i, path in enumerate(self.plan["files"]):
+            holders: Dict[str, List[int]] = {}
+            for r, (_, _, theirs, _) in enumerate(everyone):
+                holders.setdefault(theirs[i] if i < len(theirs) else "", []).append(r)
+            if len(holders) > 1:
+                groups = "; ".join(f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))}: version {k + 1}"
+                                   for k, rs in enumerate(holders.values()))
+                raise RuntimeError(f"process_group: {path} holds different bytes on different ranks ({groups}): "
+                                   "each rank must see the same checkpoint (the same path in another working "
+                                   "directory, another mount or another copy is another file)")
+        for r, (_, theirs, _, _) in enumerate(everyone):
             if theirs != everyone[0][1]:
                 raise RuntimeError(f"process_group: the files differ between ranks 0 and {r} (their headers or "
                                    "what the paths resolve to): each rank must see the same checkpoint")
@@ -315,9 +331,10 @@ def sharded_load(paths: Sequence[str], device: str, dtype: Optional[torch.dtype]
         columns = [n for n in selected if dims.get(n, 0) > 0]
         whole = [n for n in selected if n not in dims]
         out: Dict[str, torch.Tensor] = {}
-        if whole:
-            shared = SharedLoad(files, device, dtype, reader, whole, "exact", group, None, False, handle)
-            out.update(pair for buffer in shared.buffers() for pair in buffer)
+        # Made even with nothing whole to share: the ranks agree on the files' bytes before the
+        # blocks one rank reads for the others go out.
+        shared = SharedLoad(files, device, dtype, reader, whole, "exact", group, None, False, handle)
+        out.update(pair for buffer in shared.buffers() for pair in buffer)
         for name in rows:
             start, stop = block(shapes[name][0], world, rank)
             if start == stop:  # more ranks than rows

@@ -31,6 +31,11 @@ impl Planned {
         let extents = plan::plan_extents(&self.tensors, &self.file_lens(), &policy);
         Ok(fanout::share(extents, world, chunk))
     }
+
+    /// Each file's [`Source::fingerprint`], in file order (the files in parallel).
+    pub fn fingerprints(&self) -> Result<Vec<String>> {
+        io_pool().install(|| self.sources.par_iter().map(|s| s.fingerprint()).collect())
+    }
 }
 
 /// Reads `dst.len()` bytes of `src` from `offset` into `dst`: with `O_DIRECT` where `reader`

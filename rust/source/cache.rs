@@ -11,19 +11,35 @@
 //! file). An entry of another version is stale: it is never read, and removed when the new
 //! one is complete. A load that reads only part of an object (a filter, a `get_slice`)
 //! leaves no entry.
+//!
+//! An entry carries what proves it whole: when it is complete, the writer hashes it back in
+//! blocks of [`DIGEST_BLOCK`] bytes (sha256) into `<entry>.sha256`, written before the entry
+//! takes its final name. A lookup checks the entry against those digests (the blocks in
+//! parallel; the read leaves it in the page cache, where the load then maps it) and its
+//! first bytes, the header, against those the store just sent. An entry that fails either
+//! check (a flipped byte, a header that is not the object's, a zeroed or cut file, a missing
+//! digest file) is removed, said once, and the object is fetched again (and cached anew).
+//! Partial files left by a process that is gone (killed mid-load) are removed when the cache
+//! is next used.
 
 use std::fs::OpenOptions;
+use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{channel, Sender};
 
-use super::{Capabilities, Identity, LocalFile, Source};
+use rayon::prelude::*;
+use sha2::{Digest, Sha256};
+
+use super::{hex, io_pool, Capabilities, Identity, LocalFile, Source};
 use crate::error::{Error, Result};
 use crate::format::Header;
 use crate::settings::setting;
 
 /// Environment variable: the directory remote objects are cached in (unset: no cache).
 pub const CACHE_DIR_ENV: &str = "FASTSAFETENSORS_CACHE_DIR";
+/// Bytes per digest of an entry: blocks are checked in parallel.
+pub const DIGEST_BLOCK: u64 = 16 << 20;
 
 /// The cache directory the environment names, if any (created if missing).
 pub fn dir_from_env() -> Result<Option<PathBuf>> {
@@ -48,11 +64,13 @@ fn fnv(text: &str) -> u64 {
 }
 
 /// Where the object at `url` of version `identity` is cached under `dir`, and the start of
-/// the name every version of it shares.
+/// the name every version of it shares. The URL is taken without its query string and user
+/// name (`super::remote::shown`): a presigned URL's signature changes, its object does not,
+/// and the version in the name tells objects apart.
 fn entry(dir: &Path, url: &str, identity: &Identity) -> (PathBuf, String) {
-    let stem = format!("{:016x}", fnv(url));
+    let stem = format!("{:016x}", fnv(&super::remote::shown(url)));
     let version = match identity {
-        Identity::Object { len, e_tag, version } => {
+        Identity::Object { len, e_tag, version, .. } => {
             format!("{len}:{}:{}", e_tag.as_deref().unwrap_or(""), version.as_deref().unwrap_or(""))
         }
         Identity::File { len, .. } => format!("{len}"),
@@ -66,20 +84,99 @@ fn cacheable(identity: &Identity) -> bool {
     matches!(identity, Identity::Object { e_tag: Some(_), .. } | Identity::Object { version: Some(_), .. })
 }
 
-/// The cached copy of `url` at `identity`, if it is there and whole.
-pub fn lookup(dir: &Path, url: &str, identity: &Identity) -> Option<CachedObject> {
+/// The file holding the digests of the entry `path`.
+fn digests_path(path: &Path) -> PathBuf {
+    path.with_extension("sha256")
+}
+
+/// The cached copy of `url` at `identity`, if it is there and whole: its digests match, and
+/// its first bytes are `prefix` (what the store just sent of the object). A damaged entry is
+/// removed (and said so): the caller fetches the object again.
+pub fn lookup(dir: &Path, url: &str, identity: &Identity, prefix: &[u8]) -> Option<CachedObject> {
     if !cacheable(identity) {
         return None;
     }
     let (path, _) = entry(dir, url, identity);
     let file = LocalFile::open(&path).ok()?;
-    (file.len() == identity.len()).then(|| CachedObject { url: PathBuf::from(url), file })
+    match check_entry(&file, identity.len(), prefix) {
+        Ok(()) => Some(CachedObject { url: PathBuf::from(url), file, object: identity.clone() }),
+        Err(why) => {
+            let _ = std::fs::remove_file(&path);
+            let _ = std::fs::remove_file(digests_path(&path));
+            eprintln!(
+                "fastsafetensors: {}: the cache entry {} was discarded ({why}); fetching the object again",
+                super::remote::shown(url),
+                path.display()
+            );
+            None
+        }
+    }
+}
+
+/// Why the entry `file` is not the object of `len` bytes that begins with `prefix`, if it is not.
+fn check_entry(file: &LocalFile, len: u64, prefix: &[u8]) -> std::result::Result<(), String> {
+    if file.len() != len {
+        return Err(format!("{} bytes where the object has {len}", file.len()));
+    }
+    let mut first = vec![0u8; prefix.len().min(len as usize)];
+    match file.read_at(&mut first, 0) {
+        Ok(n) if n == first.len() && first == prefix[..n] => {}
+        Ok(_) => return Err("its first bytes (the header) are not those the store sent".to_owned()),
+        Err(e) => return Err(e.to_string()),
+    }
+    let text = std::fs::read_to_string(digests_path(file.path())).map_err(|_| "its digests are missing".to_owned())?;
+    let expected: Vec<&str> = text.lines().collect();
+    if expected.len() as u64 != len.div_ceil(DIGEST_BLOCK) {
+        return Err("its digests are not those of a whole entry".to_owned());
+    }
+    let actual = block_digests(file, len).map_err(|e| e.to_string())?;
+    match expected.iter().zip(&actual).position(|(e, a)| e != a) {
+        None => Ok(()),
+        Some(k) => {
+            let start = k as u64 * DIGEST_BLOCK;
+            Err(format!("bytes {start}..{} do not match their sha256", (start + DIGEST_BLOCK).min(len)))
+        }
+    }
+}
+
+/// The sha256 (hex) of each [`DIGEST_BLOCK`] of the first `len` bytes of `file`, hashed in
+/// parallel on the I/O pool.
+fn block_digests(file: &LocalFile, len: u64) -> Result<Vec<String>> {
+    let blocks: Vec<u64> = (0..len).step_by(DIGEST_BLOCK as usize).collect();
+    io_pool().install(|| {
+        blocks
+            .par_iter()
+            .map(|&start| {
+                let mut buf = vec![0u8; DIGEST_BLOCK.min(len - start) as usize];
+                let n = file.read_at(&mut buf, start)?;
+                if n < buf.len() {
+                    return Err(Error::Truncated { path: file.path().to_owned(), at: start + n as u64, expected: len });
+                }
+                Ok(hex(&Sha256::digest(&buf)))
+            })
+            .collect()
+    })
+}
+
+/// Removes the partial entries under `dir` whose writing process is gone (a load killed before
+/// it completed them): `….partial.<pid>` where no process `pid` runs.
+pub fn remove_stale_partials(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.rsplit_once(".partial.")).map(|(_, pid)| pid) else { continue };
+        if pid.parse::<u32>().is_ok_and(|pid| !Path::new(&format!("/proc/{pid}")).exists()) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
 }
 
 /// A remote object read from its cache entry: the URL's name, the local file's bytes.
 pub struct CachedObject {
     url: PathBuf,
     file: LocalFile,
+    /// The object's version in the store, which the entry holds.
+    object: Identity,
 }
 
 impl Source for CachedObject {
@@ -109,6 +206,15 @@ impl Source for CachedObject {
 
     fn header(&self) -> Result<Header> {
         self.file.header()
+    }
+
+    /// The object's, as a load reading it from the store gives it (a rank of a shared load
+    /// may hit the cache where another does not).
+    fn fingerprint(&self) -> Result<String> {
+        match self.object.version_fingerprint() {
+            Some(fingerprint) => Ok(fingerprint),
+            None => self.file.fingerprint(),
+        }
     }
 }
 
@@ -143,7 +249,13 @@ impl CacheWriter {
                 ok = ok && file.write_all_at(&bytes, offset).is_ok();
                 covered.add(offset, offset + bytes.len() as u64);
             }
-            if ok && covered.is_whole(len) && file.sync_all().is_ok() && std::fs::rename(&partial, &path).is_ok() {
+            // The digests go in place first: an entry under its final name always has them.
+            let complete = ok
+                && covered.is_whole(len)
+                && file.sync_all().is_ok()
+                && write_digests(&partial, &path, len)
+                && std::fs::rename(&partial, &path).is_ok();
+            if complete {
                 remove_other_versions(&dir, &stem, &path);
             } else {
                 let _ = std::fs::remove_file(&partial);
@@ -158,13 +270,36 @@ impl CacheWriter {
     }
 }
 
-/// Removes the complete entries of the same URL other than `keep` (stale versions).
+/// Hashes the complete `partial` file of `len` bytes and writes its digests, synced, for
+/// the entry `path`; whether that succeeded.
+fn write_digests(partial: &Path, path: &Path, len: u64) -> bool {
+    let Ok(file) = LocalFile::open(partial) else { return false };
+    let Ok(digests) = block_digests(&file, len) else { return false };
+    let target = digests_path(path);
+    let tmp = target.with_extension(format!("sha256.partial.{}", std::process::id()));
+    let written = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&tmp)
+        .and_then(|mut f| f.write_all(digests.join("\n").as_bytes()).and_then(|()| f.sync_all()))
+        .and_then(|()| std::fs::rename(&tmp, &target));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written.is_ok()
+}
+
+/// Removes the complete entries of the same URL other than `keep` (stale versions), and their
+/// digests.
 fn remove_other_versions(dir: &Path, stem: &str, keep: &Path) {
     let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let keep_digests = digests_path(keep);
     for e in entries.flatten() {
         let name = e.file_name();
         let name = name.to_string_lossy();
-        if name.starts_with(stem) && name.ends_with(".safetensors") && e.path() != keep {
+        let entry_file = name.ends_with(".safetensors") || name.ends_with(".sha256");
+        if name.starts_with(stem) && entry_file && e.path() != keep && e.path() != keep_digests {
             let _ = std::fs::remove_file(e.path());
         }
     }
@@ -214,15 +349,46 @@ mod tests {
     }
 
     #[test]
+    fn an_entry_is_checked_against_its_digests_and_the_objects_first_bytes() {
+        let dir = std::env::temp_dir().join(format!("fst-cache-check-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("entry.safetensors");
+        let len = DIGEST_BLOCK + 1000; // two blocks, the last short
+        let bytes: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+        let partial = dir.join("entry.partial");
+        std::fs::write(&partial, &bytes).unwrap();
+        assert!(write_digests(&partial, &path, len));
+        std::fs::rename(&partial, &path).unwrap();
+        let check = |prefix: &[u8]| check_entry(&LocalFile::open(&path).unwrap(), len, prefix);
+        assert_eq!(check(&bytes[..100]), Ok(()));
+        assert!(check(&[9; 100]).unwrap_err().contains("header"));
+        for (at, block) in [(5, "0..16777216"), (len - 1, "16777216..16778216")] {
+            let mut flipped = bytes.clone();
+            flipped[at as usize] ^= 1;
+            std::fs::write(&path, &flipped).unwrap();
+            let why = check(&bytes[..4]).unwrap_err();
+            assert!(why.contains(&format!("bytes {block} do not match")), "{why}");
+        }
+        std::fs::write(&path, &bytes[..100]).unwrap();
+        assert!(check(&bytes[..4]).unwrap_err().contains("100 bytes where the object has"));
+        std::fs::write(&path, &bytes).unwrap();
+        std::fs::remove_file(digests_path(&path)).unwrap();
+        assert_eq!(check(&bytes[..4]).unwrap_err(), "its digests are missing");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn entries_are_keyed_by_url_and_version() {
         let dir = Path::new("/c");
-        let v = |tag: &str| Identity::Object { len: 10, e_tag: Some(tag.into()), version: None };
+        let v = |tag: &str| Identity::Object { len: 10, e_tag: Some(tag.into()), version: None, modified: None };
         let (a, stem_a) = entry(dir, "s3://b/k", &v("\"1\""));
         let (b, stem_b) = entry(dir, "s3://b/k", &v("\"2\""));
         let (c, _) = entry(dir, "s3://b/other", &v("\"1\""));
         assert_eq!(stem_a, stem_b);
         assert!(a != b && a != c && b != c);
         assert_eq!(fnv("a"), 0xaf63dc4c8601ec8c); // FNV-1a's published value: stable names
-        assert!(!cacheable(&Identity::Object { len: 1, e_tag: None, version: None }));
+        assert!(!cacheable(&Identity::Object { len: 1, e_tag: None, version: None, modified: None }));
+        // The query string and user name do not name another object (presigned URLs).
+        assert_eq!(entry(dir, "https://u:p@h/k?sig=1", &v("1")), entry(dir, "https://h/k?sig=2", &v("1")));
     }
 }

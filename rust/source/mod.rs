@@ -33,6 +33,7 @@ use std::time::SystemTime;
 
 use memmap2::MmapMut;
 use rayon::prelude::*;
+use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
 use crate::format::{self, Header};
@@ -200,14 +201,19 @@ pub enum HostRead {
     Direct,
 }
 
+/// Pages of the data a [`Source::fingerprint`] samples: one per MiB of data, from 4 to 64
+/// (at most 256 KiB read per file, whatever its size), each of 4 KiB.
+pub const FINGERPRINT_SAMPLES: std::ops::RangeInclusive<u64> = 4..=64;
+pub const FINGERPRINT_PAGE: u64 = 4096;
+
 /// Which version of a source a load reads: when it changes, the bytes may mix two versions.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Identity {
     /// A local file: its size and modification time.
     File { len: u64, modified: Option<SystemTime> },
-    /// An object in a store: its size, and its ETag and version id (or generation) where the
-    /// store gives them.
-    Object { len: u64, e_tag: Option<String>, version: Option<String> },
+    /// An object in a store: its size, and its ETag, version id (or generation) and
+    /// Last-Modified date where the store gives them.
+    Object { len: u64, e_tag: Option<String>, version: Option<String>, modified: Option<SystemTime> },
 }
 
 impl Identity {
@@ -215,6 +221,19 @@ impl Identity {
     pub fn len(&self) -> u64 {
         match self {
             Identity::File { len, .. } | Identity::Object { len, .. } => *len,
+        }
+    }
+
+    /// A fingerprint of an object's version where the store names it (an ETag or version id
+    /// is the store's own fingerprint of the bytes); None for a file or an unnamed version.
+    pub fn version_fingerprint(&self) -> Option<String> {
+        match self {
+            Identity::Object { len, e_tag, version, .. } if e_tag.is_some() || version.is_some() => Some(format!(
+                "object of {len} bytes, ETag {}, version {}",
+                e_tag.as_deref().unwrap_or("-"),
+                version.as_deref().unwrap_or("-")
+            )),
+            _ => None,
         }
     }
 }
@@ -269,6 +288,17 @@ pub trait Source: Send + Sync {
         Ok(())
     }
 
+    /// What tells these bytes from those of another file under the same path (another
+    /// fine-tune of the same layout, a copy on another machine): a sha256 of the size, the
+    /// header and [`FINGERPRINT_SAMPLES`] pages spread evenly over the data. Ranks sharing a
+    /// load compare it before each reads its part for the others. It is a sample, not a
+    /// digest: files differing in a few bytes between the pages sampled are not told apart
+    /// (a verified load is). The modification time is not part of it: copies of one
+    /// checkpoint made at different times are the same bytes.
+    fn fingerprint(&self) -> Result<String> {
+        sampled_fingerprint(self, |page, offset| self.read_at(page, offset))
+    }
+
     /// Reads and validates the header (two small reads; the data is not touched).
     fn header(&self) -> Result<Header> {
         let path = self.path();
@@ -293,6 +323,52 @@ pub trait Source: Send + Sync {
     }
 }
 
+/// [`Source::fingerprint`] from the bytes: the size, the header (read with `src.read_at`) and
+/// the sampled pages of the data, read with `read_page` (page-aligned offsets, into a
+/// page-aligned buffer of one page, so that it may read past the page cache).
+pub fn sampled_fingerprint<S: Source + ?Sized>(
+    src: &S,
+    read_page: impl Fn(&mut [u8], u64) -> Result<usize>,
+) -> Result<String> {
+    let len = src.len();
+    let mut hash = Sha256::new();
+    hash.update(len.to_le_bytes());
+    let mut prefix = [0u8; format::LEN_PREFIX as usize];
+    let got = src.read_at(&mut prefix, 0)?;
+    let data_start = match got == prefix.len() {
+        true => u64::from_le_bytes(prefix).saturating_add(format::LEN_PREFIX).min(len),
+        false => 0,
+    };
+    // The header whole (read already to plan the load: in memory or in the page cache).
+    let mut buf = vec![0u8; data_start.clamp(2 * FINGERPRINT_PAGE, 1 << 20) as usize];
+    let mut at = 0;
+    while at < data_start {
+        let n = src.read_at(&mut buf[..(data_start - at).min(1 << 20) as usize], at)?;
+        if n == 0 {
+            break;
+        }
+        hash.update(&buf[..n]);
+        at += n as u64;
+    }
+    // Then the pages sampled, from the first page of the data to the last page of the file.
+    let skip = buf.as_ptr().align_offset(FINGERPRINT_PAGE as usize);
+    let page = &mut buf[skip..skip + FINGERPRINT_PAGE as usize];
+    let first = data_start / FINGERPRINT_PAGE;
+    let last = len.saturating_sub(1) / FINGERPRINT_PAGE;
+    let samples = ((len - data_start) >> 20).clamp(*FINGERPRINT_SAMPLES.start(), *FINGERPRINT_SAMPLES.end());
+    for k in 0..samples {
+        let offset = (first + (last - first.min(last)) * k / (samples - 1)) * FINGERPRINT_PAGE;
+        let n = read_page(page, offset)?;
+        hash.update(&page[..n]);
+    }
+    Ok(hex(&hash.finalize()))
+}
+
+/// `bytes` in lowercase hexadecimal (how digests are written and compared).
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// Opens what `path` names: an object for a URL (`s3://`, `gs://`, `az://`, `http(s)://`),
 /// else a local file.
 pub fn open(path: &Path) -> Result<Arc<dyn Source>> {
@@ -310,8 +386,10 @@ pub fn open_cached(path: &Path, cache_dir: Option<&Path>) -> Result<Arc<dyn Sour
             None => cache::dir_from_env()?,
         };
         if let Some(dir) = dir {
-            // The version just read decides: its entry if it is there, else one is written.
-            if let Some(hit) = cache::lookup(&dir, url, object.identity()) {
+            cache::remove_stale_partials(&dir);
+            // The version just read decides: its entry if it is there and whole, else one is
+            // written.
+            if let Some(hit) = cache::lookup(&dir, url, object.identity(), object.prefix()) {
                 return Ok(Arc::new(hit));
             }
             object.cache_into(&dir);
@@ -434,6 +512,17 @@ impl Source for LocalFile {
 
     fn local(&self) -> Option<&LocalFile> {
         Some(self)
+    }
+
+    /// The sampled pages read past the page cache where the filesystem allows it: a buffered
+    /// read of a cold file would read ahead megabytes around each page.
+    fn fingerprint(&self) -> Result<String> {
+        match self.reopen(libc::O_DIRECT) {
+            Ok(direct) => sampled_fingerprint(self, |page, offset| {
+                direct.read_at(page, offset).map_err(|e| Error::io(&self.path, "read", e))
+            }),
+            Err(_) => sampled_fingerprint(self, |page, offset| self.read_at(page, offset)),
+        }
     }
 }
 

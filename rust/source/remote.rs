@@ -5,7 +5,7 @@
 //! that fixes its size and version (ETag, and the version id or generation where the store has
 //! one) and usually holds the whole header. Every later read is split into parts of
 //! `$FASTSAFETENSORS_REMOTE_PART_SIZE` bytes fetched by parallel ranged GETs (at most
-//! `$FASTSAFETENSORS_REMOTE_CONCURRENCY` in flight in the process), each conditional on that
+//! `$FASTSAFETENSORS_REMOTE_CONCURRENCY` in flight to each server), each conditional on that
 //! version: an object replaced mid-load fails the load ([`Error::RemoteChanged`]) instead of
 //! mixing two versions' bytes. The parts land straight in the buffer the caller gives (the
 //! page-aligned host buffers, or the pinned staging slots of a device load).
@@ -42,7 +42,7 @@ use url::Url;
 
 use super::aws_files;
 use super::cache::CacheWriter;
-use super::{Capabilities, Identity, LocalFile, Source};
+use super::{sampled_fingerprint, Capabilities, Identity, LocalFile, Source};
 use crate::error::{Error, Result};
 use crate::format::{self, Header};
 use crate::settings::setting;
@@ -53,7 +53,7 @@ use crate::source::budget::parse_size;
 pub const SPECULATIVE_HEADER: u64 = 1 << 20;
 /// Environment variable: bytes per ranged GET.
 pub const PART_SIZE_ENV: &str = "FASTSAFETENSORS_REMOTE_PART_SIZE";
-/// Environment variable: ranged GETs in flight at once, in the whole process.
+/// Environment variable: ranged GETs in flight at once to one server (host and port).
 pub const CONCURRENCY_ENV: &str = "FASTSAFETENSORS_REMOTE_CONCURRENCY";
 /// Environment variable: seconds one request may take (connecting, and each part's transfer).
 pub const TIMEOUT_ENV: &str = "FASTSAFETENSORS_REMOTE_TIMEOUT";
@@ -106,9 +106,20 @@ pub fn is_url(path: &Path) -> bool {
     path.to_str().is_some_and(|s| s.split_once("://").is_some_and(|(scheme, _)| SCHEMES.contains(&scheme)))
 }
 
-/// `url` as errors show it: without its query string or fragment, which may hold a signature.
+/// `url` as errors and logs show it: without its query string or fragment, which may hold a
+/// signature, nor the user name and password before its host.
 pub fn shown(url: &str) -> String {
-    url.split(['?', '#']).next().unwrap_or(url).to_owned()
+    let url = url.split(['?', '#']).next().unwrap_or(url);
+    match url.split_once("://") {
+        Some((scheme, rest)) => {
+            let host_end = rest.find('/').unwrap_or(rest.len());
+            match rest[..host_end].rfind('@') {
+                Some(at) => format!("{scheme}://{}", &rest[at + 1..]),
+                None => url.to_owned(),
+            }
+        }
+        None => url.to_owned(),
+    }
 }
 
 /// The runtime the requests run on: built once, a few worker threads (they only wait on
@@ -133,10 +144,13 @@ fn block_on<T>(fut: impl Future<Output = Result<T>>) -> Result<T> {
     runtime()?.block_on(fut)
 }
 
-/// The process-wide limit on GETs in flight (sized by the settings at the first read).
-fn in_flight(settings: &RemoteSettings) -> &'static Semaphore {
-    static LIMIT: OnceLock<Semaphore> = OnceLock::new();
-    LIMIT.get_or_init(|| Semaphore::new(settings.concurrency))
+/// The limit on GETs in flight to the server at `host` (`scheme://authority`), sized by the
+/// settings when the host is first read. One per host, so that a server that stalls holds
+/// only its own requests' slots: loads from other servers go on.
+fn in_flight(host: &str, concurrency: usize) -> Arc<Semaphore> {
+    static LIMITS: OnceLock<Mutex<HashMap<String, Arc<Semaphore>>>> = OnceLock::new();
+    let mut limits = LIMITS.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+    Arc::clone(limits.entry(host.to_owned()).or_insert_with(|| Arc::new(Semaphore::new(concurrency))))
 }
 
 /// One object: the store that serves it and its path there.
@@ -145,6 +159,8 @@ struct Location {
     url: String,
     store: Arc<dyn ObjectStore>,
     path: ObjectPath,
+    /// The GETs in flight to its server.
+    limit: Arc<Semaphore>,
 }
 
 /// The store for `url` and the object's path in it. Stores are kept per bucket (or host) so
@@ -153,8 +169,18 @@ fn locate(url: &str) -> Result<Location> {
     static STORES: OnceLock<Mutex<HashMap<String, Arc<dyn ObjectStore>>>> = OnceLock::new();
     let invalid = |reason: String| Error::InvalidUrl { url: shown(url), reason };
     let parsed = Url::parse(url).map_err(|e| invalid(e.to_string()))?;
-    let (scheme, path) = ObjectStoreScheme::parse(&parsed).map_err(|e| invalid(one_line(&e.to_string())))?;
-    let path = ObjectPath::parse(path).map_err(|e| invalid(one_line(&e.to_string())))?;
+    let (mut scheme, path) = ObjectStoreScheme::parse(&parsed).map_err(|e| invalid(one_line(&e.to_string())))?;
+    // An HTTP(S) URL with a query string is fetched as it is, query included, on every request:
+    // the query picks the version (`?v=2`) or carries the request's own authorization (a
+    // presigned URL), which signing with the environment's credentials would replace.
+    let query = parsed.query().filter(|_| matches!(parsed.scheme(), "http" | "https"));
+    let path = match query {
+        Some(_) => {
+            scheme = ObjectStoreScheme::Http;
+            ObjectPath::parse(parsed.path()).map_err(|e| invalid(one_line(&e.to_string())))?
+        }
+        None => path,
+    };
     // One store per host, and per first path segment where that can be the bucket
     // (https://s3.region.amazonaws.com/bucket/...), and per configuration: a test, or a
     // program that switches credentials, gets a store built with what the environment says now.
@@ -170,6 +196,9 @@ fn locate(url: &str) -> Result<Location> {
         _ => None,
     };
     key.push_str(&format!("#{:x}", config_hash(&profile)));
+    if let Some(query) = query {
+        key.push_str(&format!("?{:x}", text_hash(query)));
+    }
     let mut stores = STORES.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
     let store = match stores.get(&key) {
         Some(store) => Arc::clone(store),
@@ -179,7 +208,10 @@ fn locate(url: &str) -> Result<Location> {
             store
         }
     };
-    Ok(Location { url: shown(url), store, path })
+    drop(stores);
+    let host = format!("{}://{}", parsed.scheme(), &parsed[url::Position::BeforeHost..url::Position::BeforePath]);
+    let limit = in_flight(&shown(&host), RemoteSettings::from_env()?.concurrency);
+    Ok(Location { url: shown(url), store, path, limit })
 }
 
 /// A hash of what the stores are configured from: the environment variables, and the AWS
@@ -193,6 +225,14 @@ fn config_hash(profile: &Option<aws_files::Profile>) -> u64 {
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     vars.hash(&mut hasher);
     profile.hash(&mut hasher);
+    hasher.finish()
+}
+
+/// A hash of `text`, for a store's key (where the text itself, a query string, may be secret).
+fn text_hash(text: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    text.hash(&mut hasher);
     hasher.finish()
 }
 
@@ -253,7 +293,11 @@ fn build_store(
             Arc::new(b.build().map_err(failed)?)
         }
         ObjectStoreScheme::Http => {
-            let base = &parsed[..url::Position::BeforePath];
+            // The store appends each object's path to its URL, and keeps the URL's query.
+            let base = match parsed.query() {
+                Some(query) => format!("{}/?{query}", &parsed[..url::Position::BeforePath]),
+                None => parsed[..url::Position::BeforePath].to_owned(),
+            };
             let b = HttpBuilder::new()
                 .with_url(base)
                 .with_retry(retry)
@@ -315,11 +359,15 @@ impl RemoteObject {
                 }
                 Err(e) => return Err(remote_error(&at.url, e)),
             };
-            let meta = got.meta.clone();
+            let identity = identity_of(&got.meta);
             let bytes = got.bytes().await.map_err(|e| remote_error(&at.url, e))?;
-            let identity = Identity::Object { len: meta.size, e_tag: meta.e_tag, version: meta.version };
             Ok((identity, bytes))
         })?;
+        if let Identity::Object { e_tag: None, version: None, modified: None, .. } = &identity {
+            say_once(&at.url, "the server gives neither an ETag nor a Last-Modified date, so the object cannot be \
+                pinned to one version: only its size is checked on every read (a replacement of the same size \
+                during the load would go unseen)");
+        }
         Ok(RemoteObject { path: PathBuf::from(url), at, identity, prefix, settings, cache: None })
     }
 
@@ -332,29 +380,38 @@ impl RemoteObject {
         }
     }
 
+    /// The object's first bytes, as fetched when it was opened.
+    pub fn prefix(&self) -> &[u8] {
+        &self.prefix
+    }
+
     /// The URL as errors show it.
     pub fn url(&self) -> &str {
         &self.at.url
     }
 
-    fn conditions(&self) -> (Option<String>, Option<String>) {
-        match &self.identity {
-            Identity::Object { e_tag, version, .. } => (e_tag.clone(), version.clone()),
-            Identity::File { .. } => (None, None),
+    /// The options of a GET of `range` on the version opened: `If-Match` its ETag and its
+    /// version id where the store gives them, else `If-Unmodified-Since` its Last-Modified
+    /// date (an ETag is the stronger validator; with both, servers ignore the date).
+    fn conditional(&self, range: std::ops::Range<u64>) -> GetOptions {
+        let mut options = GetOptions { range: Some(range.into()), ..Default::default() };
+        if let Identity::Object { e_tag, version, modified, .. } = &self.identity {
+            options.if_match = e_tag.clone();
+            options.version = version.clone();
+            if e_tag.is_none() {
+                options.if_unmodified_since = modified.map(chrono::DateTime::<chrono::Utc>::from);
+            }
         }
+        options
     }
 
     /// Fetches `dst.len()` bytes from `start` with one GET on the opened version.
     async fn get_into(&self, start: u64, dst: &mut [u8]) -> Result<()> {
-        let _permit = in_flight(&self.settings).acquire().await.expect("the semaphore is never closed");
-        let (if_match, version) = self.conditions();
-        let end = start + dst.len() as u64;
-        let options = GetOptions { range: Some((start..end).into()), if_match, version, ..Default::default() };
+        let _permit = self.at.limit.acquire().await.expect("the semaphore is never closed");
+        let options = self.conditional(start..start + dst.len() as u64);
         let got = self.at.store.get_opts(&self.at.path, options).await.map_err(|e| remote_error(&self.at.url, e))?;
         // A store that ignored the condition still says which version it sent.
-        let now =
-            Identity::Object { len: got.meta.size, e_tag: got.meta.e_tag.clone(), version: got.meta.version.clone() };
-        if !self.same_version(&now) {
+        if !self.same_version(&identity_of(&got.meta)) {
             return Err(Error::RemoteChanged { url: self.at.url.clone() });
         }
         let mut body = got.into_stream();
@@ -379,18 +436,17 @@ impl RemoteObject {
         Ok(())
     }
 
-    /// Whether `now` is the version opened: the same size, and the same ETag and version id
-    /// where the store gives them.
+    /// Whether `now` is the version opened: the same size, and the same ETag, version id and
+    /// Last-Modified date where the store gives them.
     fn same_version(&self, now: &Identity) -> bool {
+        fn agree<T: PartialEq>(a: &Option<T>, b: &Option<T>) -> bool {
+            a.is_none() || b.is_none() || a == b
+        }
         match (&self.identity, now) {
             (
-                Identity::Object { len, e_tag, version },
-                Identity::Object { len: now_len, e_tag: now_tag, version: now_version },
-            ) => {
-                len == now_len
-                    && (e_tag.is_none() || now_tag.is_none() || e_tag == now_tag)
-                    && (version.is_none() || now_version.is_none() || version == now_version)
-            }
+                Identity::Object { len, e_tag, version, modified },
+                Identity::Object { len: now_len, e_tag: now_tag, version: now_version, modified: now_modified },
+            ) => len == now_len && agree(e_tag, now_tag) && agree(version, now_version) && agree(modified, now_modified),
             _ => false,
         }
     }
@@ -408,7 +464,7 @@ impl Source for RemoteObject {
     fn current_identity(&self) -> Result<Identity> {
         let meta =
             block_on(async { self.at.store.head(&self.at.path).await.map_err(|e| remote_error(&self.at.url, e)) })?;
-        Ok(Identity::Object { len: meta.size, e_tag: meta.e_tag, version: meta.version })
+        Ok(identity_of(&meta))
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
@@ -440,8 +496,17 @@ impl Source for RemoteObject {
         true
     }
 
+    /// The version the store names, rather than pages fetched one GET each.
+    fn fingerprint(&self) -> Result<String> {
+        match self.identity.version_fingerprint() {
+            Some(fingerprint) => Ok(fingerprint),
+            None => sampled_fingerprint(self, |page, offset| self.read_at(page, offset)),
+        }
+    }
+
     /// Every GET was conditional on the version opened (where the store gives one), so a
-    /// replaced object failed its reads already; without an ETag or version, ask once more.
+    /// replaced object failed its reads already; without an ETag or version id (a Last-Modified
+    /// date has a resolution of a second), ask once more.
     fn check_unchanged(&self) -> Result<()> {
         if let Identity::Object { e_tag: None, version: None, .. } = &self.identity {
             if !self.same_version(&self.current_identity()?) {
@@ -534,6 +599,22 @@ pub fn sibling(url: &str, name: &str) -> String {
     match url.rsplit_once('/') {
         Some((folder, _)) => format!("{folder}/{name}"),
         None => name.to_owned(),
+    }
+}
+
+/// The version `meta` describes. A missing Last-Modified header comes from the store as the
+/// epoch: that is no date.
+fn identity_of(meta: &object_store::ObjectMeta) -> Identity {
+    let modified = (meta.last_modified.timestamp_nanos_opt() != Some(0)).then(|| meta.last_modified.into());
+    Identity::Object { len: meta.size, e_tag: meta.e_tag.clone(), version: meta.version.clone(), modified }
+}
+
+/// Says `what` about `url` on standard error, once per URL in the process.
+fn say_once(url: &str, what: &str) {
+    static SAID: OnceLock<Mutex<std::collections::HashSet<String>>> = OnceLock::new();
+    let mut said = SAID.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+    if said.insert(url.to_owned()) {
+        eprintln!("fastsafetensors: {url}: {what}");
     }
 }
 
@@ -643,6 +724,34 @@ mod tests {
     fn shown_urls_leave_out_the_query() {
         assert_eq!(shown("https://h/m.safetensors?X-Amz-Signature=abc#f"), "https://h/m.safetensors");
         assert_eq!(one_line("GET https://h/x?sig=1  failed\n  later"), "GET https://h/x failed later");
+        assert_eq!(shown("https://user:pa%40ss@h:8/m?s=1"), "https://h:8/m");
+        assert_eq!(shown("s3://b/k@1"), "s3://b/k@1");
+    }
+
+    #[test]
+    fn a_query_string_makes_an_http_store_of_its_own() {
+        // An S3-looking host with a query (a presigned URL) is fetched over plain HTTP, as given.
+        let signed = locate("https://bucket.s3.us-east-1.amazonaws.com/dir/m.safetensors?X-Amz-Signature=ab").unwrap();
+        assert_eq!(signed.path.as_ref(), "dir/m.safetensors");
+        assert_eq!(signed.url, "https://bucket.s3.us-east-1.amazonaws.com/dir/m.safetensors");
+        let v2 = locate("http://127.0.0.1:9/m.safetensors?v=2").unwrap();
+        let v3 = locate("http://127.0.0.1:9/m.safetensors?v=3").unwrap();
+        let plain = locate("http://127.0.0.1:9/m.safetensors").unwrap();
+        assert!(!Arc::ptr_eq(&v2.store, &v3.store) && !Arc::ptr_eq(&v2.store, &plain.store));
+        assert!(Arc::ptr_eq(&v2.store, &locate("http://127.0.0.1:9/other?v=2").unwrap().store));
+    }
+
+    #[test]
+    fn a_missing_last_modified_is_no_date() {
+        let meta = |at: i64| object_store::ObjectMeta {
+            location: ObjectPath::from("k"),
+            last_modified: chrono::DateTime::from_timestamp(at, 0).unwrap(),
+            size: 3,
+            e_tag: None,
+            version: None,
+        };
+        assert!(matches!(identity_of(&meta(0)), Identity::Object { modified: None, .. }));
+        assert!(matches!(identity_of(&meta(1_700_000_000)), Identity::Object { modified: Some(_), .. }));
     }
 
     #[test]

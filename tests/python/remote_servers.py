@@ -9,6 +9,7 @@ process (so that a test can kill it mid-transfer); it writes its port to PORT_FI
 from __future__ import annotations
 
 import datetime
+import email.utils
 import hashlib
 import hmac
 import http.client
@@ -50,7 +51,8 @@ def wait_for_port(port: int, timeout: float = 30.0) -> None:
 # ------------------------------------------------------------------------------ HTTP files
 class _FileHandler(BaseHTTPRequestHandler):
     """GET/HEAD of the files under the server's root with single byte ranges, an ETag per
-    file version and If-Match; counts the body bytes it sends."""
+    file version and Last-Modified (each can be left out), If-Match and If-Unmodified-Since;
+    counts the body bytes it sends."""
 
     protocol_version = "HTTP/1.1"
 
@@ -58,11 +60,25 @@ class _FileHandler(BaseHTTPRequestHandler):
         pass
 
     def _file(self) -> Path | None:
-        rel = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path).lstrip("/")
+        """The file the request names; with `?v=N` in its query, the file's version N (the
+        file `NAME.vN` beside it) where there is one."""
+        parts = urllib.parse.urlsplit(self.path)
+        rel = urllib.parse.unquote(parts.path).lstrip("/")
         path = (self.server.root / rel).resolve()
+        version = urllib.parse.parse_qs(parts.query).get("v")
+        if version and path.with_name(f"{path.name}.v{version[0]}").is_file():
+            path = path.with_name(f"{path.name}.v{version[0]}")
         if not path.is_relative_to(self.server.root) or not path.is_file():
             return None
         return path
+
+    def _authorized(self) -> bool:
+        """With a `secret`, only requests whose query carries `sig=<secret>` (as a presigned
+        URL carries its signature) are served."""
+        if self.server.secret is None:
+            return True
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+        return query.get("sig") == [self.server.secret]
 
     def do_HEAD(self):
         self._serve(body=False)
@@ -80,15 +96,23 @@ class _FileHandler(BaseHTTPRequestHandler):
 
     def _serve(self, body: bool) -> None:
         self.server.requests.append((self.command, self.path, self.headers.get("Range")))
+        if not self._authorized():
+            return self._reply(403, {}, b"<Error><Code>AccessDenied</Code></Error>")
         path = self._file()
         if path is None:
             return self._reply(404, {}, b"not found")
         st = path.stat()
         etag = f'"{st.st_ino:x}-{st.st_size:x}-{st.st_mtime_ns:x}"'
-        common = {"ETag": etag, "Accept-Ranges": "bytes",
-                  "Last-Modified": self.date_time_string(int(st.st_mtime))}
+        common = {"Accept-Ranges": "bytes"}
+        if self.server.etag:
+            common["ETag"] = etag
+        if self.server.last_modified:
+            common["Last-Modified"] = self.date_time_string(int(st.st_mtime))
         if_match = self.headers.get("If-Match")
         if if_match is not None and if_match != "*" and etag not in [t.strip() for t in if_match.split(",")]:
+            return self._reply(412, common, b"precondition failed")
+        since = self.headers.get("If-Unmodified-Since")
+        if since is not None and int(st.st_mtime) > email.utils.parsedate_to_datetime(since).timestamp():
             return self._reply(412, common, b"precondition failed")
         size = st.st_size
         start, end, status = 0, size, 200
@@ -152,10 +176,13 @@ class FileServer(_LoopbackServer):
 
     daemon_threads = True
 
-    def __init__(self, root: Path, port: int = 0, delay: float = 0.0):
+    def __init__(self, root: Path, port: int = 0, delay: float = 0.0, etag: bool = True, last_modified: bool = True,
+                 secret: str | None = None):
         super().__init__(port, _FileHandler)
         self.root = Path(root).resolve()
         self.delay = delay
+        # Which validators the answers carry, and the signature a request's query must hold.
+        self.etag, self.last_modified, self.secret = etag, last_modified, secret
         self.sent = 0
         self.requests: list = []
         self._lock = threading.Lock()

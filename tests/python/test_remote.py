@@ -565,3 +565,131 @@ def test_cache_dir_is_an_argument_of_every_entry_point(http_server, local_models
         fst.load_file(url, cache_dir=not_a_dir)
     with pytest.raises(TypeError, match="cache_dir= takes a directory path"):
         fst.load_file(url, cache_dir=3)
+
+
+# ------------------------------------------------------------------------------ versions and queries
+def _same_layout_other_values(path: Path, shift: float) -> dict:
+    tensors = {"a": torch.arange(300_000, dtype=torch.float32) + shift,
+               "b": torch.arange(500_000, dtype=torch.float32) * 2 + shift}
+    U.write_checkpoint(path, tensors)
+    return tensors
+
+
+def test_a_urls_query_string_goes_with_every_request(local_models, tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTSAFETENSORS_REMOTE_PART_SIZE", "64K")
+    root = tmp_path / "served"
+    root.mkdir()
+    v1 = _same_layout_other_values(root / "model.safetensors", 0.0)
+    v2 = _same_layout_other_values(root / "model.safetensors.v2", 1.0)
+    with FileServer(root) as server:
+        U.assert_same_dict(fst.load_file(f"{server.url}/model.safetensors"), v1)
+        server.reset()
+        U.assert_same_dict(fst.load_file(f"{server.url}/model.safetensors?v=2"), v2)
+        assert len(server.requests) > 3
+        assert all(path.endswith("?v=2") for _, path, _ in server.requests), server.requests
+        with fst.safe_open(f"{server.url}/model.safetensors?v=2", framework="pt") as f:
+            U.assert_same_tensor(f.get_slice("b")[10:20], v2["b"][10:20])
+
+
+def test_a_presigned_url_is_sent_as_signed_and_its_signature_never_shown(local_models, tmp_path, monkeypatch):
+    root = tmp_path / "served"
+    root.mkdir()
+    v1 = _same_layout_other_values(root / "model.safetensors", 0.0)
+    secret = "c2VjcmV0LXNpZ25hdHVyZQ"
+    with FileServer(root, secret=secret) as server:
+        url = f"{server.url}/model.safetensors?X-Amz-Expires=60&sig={secret}"
+        U.assert_same_dict(fst.load_file(url), v1)
+        U.assert_same_dict(dict(fst.stream(url, max_memory="1M")), v1)
+        with pytest.raises(RuntimeError) as e:
+            fst.load_file(f"{server.url}/model.safetensors?sig=wrong-{secret}")
+        assert "model.safetensors" in str(e.value) and secret not in str(e.value), e.value
+
+
+def test_an_object_without_an_etag_replaced_by_one_of_the_same_size_is_an_error(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("FASTSAFETENSORS_REMOTE_PART_SIZE", "64K")
+    root = tmp_path / "served"
+    root.mkdir()
+    target = root / "model.safetensors"
+    v1 = _same_layout_other_values(target, 0.0)
+    with FileServer(root, etag=False) as server:
+        url = f"{server.url}/model.safetensors"
+        U.assert_same_dict(fst.load_file(url), v1)
+        with fst.safe_open(url, framework="pt") as f:
+            _same_layout_other_values(root / "next", 1.0)
+            os.utime(root / "next", (time.time() + 5, time.time() + 5))  # Last-Modified is in seconds
+            (root / "next").replace(target)
+            with pytest.raises(RuntimeError, match=r"model.safetensors: the object changed"):
+                f.get_tensor("b")
+        # Neither validator: the load goes on, checking sizes, and says once that it cannot pin it.
+        server.last_modified = False
+        url = f"{server.url}/model.safetensors?unpinned"
+        for _ in range(2):
+            fst.load_file(url)
+        err = capfd.readouterr().err
+        assert err.count("cannot be pinned to one version") == 1, err
+
+
+# ------------------------------------------------------------------------------ damaged cache entries
+@pytest.fixture
+def cached(http_server, local_models, tmp_path, monkeypatch):
+    """(url, reference tensors, the entry, the file's bytes) after a load that cached it."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FASTSAFETENSORS_CACHE_DIR", str(cache))
+    url = f"{http_server.url}/big/model.safetensors"
+    ref = reference(local_models / "big" / "model.safetensors")
+    U.assert_same_dict(fst.load_file(url), ref)
+    [entry] = _entries(cache, want=1)
+    return url, ref, entry, (local_models / "big" / "model.safetensors").read_bytes()
+
+
+def _damage_then_load(cached, http_server, capfd, damage) -> None:
+    url, ref, entry, data = cached
+    damage(entry, data)
+    capfd.readouterr()
+    http_server.reset()
+    U.assert_same_dict(fst.load_file(url), ref)
+    assert http_server.sent >= len(data), "the damaged entry was read instead of the server"
+    err = capfd.readouterr().err
+    assert "the cache entry" in err and "was discarded" in err, err
+    # The object is cached anew, whole, and read from there next.
+    [again] = _entries(entry.parent, want=1)
+    assert again.read_bytes() == data
+    http_server.reset()
+    U.assert_same_dict(fst.load_file(url), ref)
+    assert http_server.sent <= 1 << 20
+
+
+def test_a_cache_entry_with_a_flipped_byte_is_discarded_and_fetched_again(cached, http_server, capfd):
+    def flip(entry, data):
+        body = bytearray(data)
+        body[len(body) // 2] ^= 0x40
+        entry.write_bytes(body)
+
+    _damage_then_load(cached, http_server, capfd, flip)
+
+
+def test_a_cache_entry_whose_header_is_not_the_objects_is_discarded(cached, http_server, capfd):
+    def retype(entry, data):
+        n = int.from_bytes(data[:8], "little")
+        header = data[8:8 + n].replace(b'"F32"', b'"I32"')
+        assert len(header) == n and header != data[8:8 + n]
+        entry.write_bytes(data[:8] + header + data[8 + n:])
+
+    _damage_then_load(cached, http_server, capfd, retype)
+
+
+def test_a_zeroed_cache_entry_is_discarded_and_later_loads_work(cached, http_server, capfd):
+    _damage_then_load(cached, http_server, capfd, lambda entry, data: entry.write_bytes(bytes(len(data))))
+
+
+def test_partial_entries_of_a_process_that_is_gone_are_removed(cached, http_server):
+    url, ref, entry, _ = cached
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = entry.with_name(entry.name + f".partial.{int(dead.stdout)}")
+    ours = entry.with_name("0000000000000000-0000000000000000.safetensors.partial." + str(os.getpid()))
+    for f in (stale, ours):
+        f.write_bytes(b"x" * 1000)
+    U.assert_same_dict(fst.load_file(url), ref)
+    assert not stale.exists(), "a partial entry of a dead process was left"
+    assert ours.exists(), "a partial entry of a running process was removed"
+    ours.unlink()
