@@ -360,9 +360,12 @@ pub struct TensorStream {
 /// The files `open_handle` opened, by handle.
 static HANDLES: Handles = Handles::new();
 
-/// Runs `f`, turning a panic into [`Error::Panic`].
+/// Runs `f`, turning a panic into [`Error::Panic`], and its error's URLs into their shown form
+/// (no user name, password or query string).
 fn guard<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
-    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|payload| Err(Error::from_panic(payload)))
+    let result = catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|payload| Err(Error::from_panic(payload)));
+    // The one place every message leaves by: URLs in it lose their credentials here.
+    result.map_err(Error::redacted)
 }
 
 /// The spec of tensor `t`, which starts at `offset` in buffer `buffer` and becomes `output`.

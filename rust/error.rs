@@ -107,6 +107,9 @@ pub enum Error {
     /// A panic inside the loader, caught before it could cross the FFI boundary. Always a bug.
     #[error("internal error (please report): {0}")]
     Panic(String),
+    /// Another error's message, with the credentials of the URLs in it removed.
+    #[error("{0}")]
+    Redacted(String),
 }
 
 /// "tensor_filter names 2 tensors that are in none of the files (a, b): 'x', 'y'", with at
@@ -162,6 +165,47 @@ impl Error {
     pub(crate) fn io(path: impl Into<PathBuf>, op: &'static str, source: std::io::Error) -> Error {
         Error::Io { path: path.into(), op, source }
     }
+
+    /// This error, or where its message names a URL with a user name, a password or a query
+    /// string (a presigned URL's signature), its message without them ([`redact`]).
+    pub fn redacted(self) -> Error {
+        let message = self.to_string();
+        let clean = redact(&message);
+        if clean == message {
+            self
+        } else {
+            Error::Redacted(clean)
+        }
+    }
+}
+
+/// `text` with every URL in it (`scheme://...`, up to a space or a quote) stripped of its
+/// `user:password@` and its query string and fragment (punctuation that ends the URL's word,
+/// such as the `:` before an error's reason, is kept).
+pub fn redact(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find("://") {
+        let word_end = rest[at..]
+            .find(|c: char| c.is_whitespace() || matches!(c, '\'' | '"' | '<' | '>' | '`'))
+            .map_or(rest.len(), |i| at + i);
+        let word = &rest[at + 3..word_end];
+        out.push_str(&rest[..at + 3]);
+        let authority_end = word.find(['/', '?', '#']).unwrap_or(word.len());
+        let host_start = word[..authority_end].rfind('@').map_or(0, |i| i + 1);
+        let kept = &word[host_start..];
+        match kept.find(['?', '#']) {
+            Some(q) => {
+                out.push_str(&kept[..q]);
+                let tail = kept[q..].len() - kept[q..].trim_end_matches([':', ',', ';', '.', ')']).len();
+                out.push_str(&kept[kept.len() - tail..]);
+            }
+            None => out.push_str(kept),
+        }
+        rest = &rest[word_end..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// A disagreement between a checkpoint's files and its index, or between its files.
@@ -194,5 +238,28 @@ impl fmt::Display for Problem {
             }
             Problem::Unlisted { name, file } => write!(f, "does not list tensor '{name}' of {}", file.display()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_in_messages_lose_their_credentials_and_queries() {
+        let cases = [
+            ("https://u:pw@h:8/m.safetensors?X-Amz-Signature=ab12: no such object", "https://h:8/m.safetensors: no such object"),
+            ("s3://b/k?versionId=1, and 'http://a@h/x#f' too", "s3://b/k, and 'http://h/x' too"),
+            ("GET http://h/x?sig=1 failed (403)", "GET http://h/x failed (403)"),
+            ("no url here: a@b?c", "no url here: a@b?c"),
+            ("gs://b/dir@2/k.safetensors: fine", "gs://b/dir@2/k.safetensors: fine"),
+            ("end http://u@h/?q", "end http://h/"),
+        ];
+        for (text, want) in cases {
+            assert_eq!(redact(text), want, "{text}");
+        }
+        let e = Error::RemoteNotFound { url: "https://h/x?sig=s3cr3t".into(), what: "object" }.redacted();
+        assert!(matches!(e, Error::Redacted(_)) && !e.to_string().contains("s3cr3t"), "{e}");
+        assert!(matches!(Error::InvalidArgument("x".into()).redacted(), Error::InvalidArgument(_)));
     }
 }

@@ -11,12 +11,49 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 
 LOGGER_NAME = "fastsafetensors_rs"
 ENV_LOG = "FASTSAFETENSORS_LOG"
 
 logger = logging.getLogger(LOGGER_NAME)
+
+# A URL in a message: its scheme, then everything up to a space or a quote.
+_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)([^\s'\"<>`]*)")
+
+
+def _shown_url(match: re.Match) -> str:
+    scheme, word = match.group(1), match.group(2)
+    authority_end = min([i for i in (word.find(c) for c in "/?#") if i >= 0] or [len(word)])
+    word = word[word.rfind("@", 0, authority_end) + 1:]
+    query = min([i for i in (word.find(c) for c in "?#") if i >= 0] or [-1])
+    if query >= 0:  # keep the punctuation that ends the word (the ':' before a reason)
+        tail = word[query:]
+        word = word[:query] + tail[len(tail.rstrip(":,;.)")):]
+    return scheme + word
+
+
+def redact(text: str) -> str:
+    """`text` with every URL in it stripped of its `user:password@` and its query string and
+    fragment (a presigned URL's signature): how URLs appear in messages, logs and the CLI.
+    The core redacts its own errors the same way."""
+    return _URL.sub(_shown_url, text)
+
+
+class _Redacting(logging.Filter):
+    """Removes the credentials of URLs from every record the package logs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = redact(message)
+        if clean != message:
+            record.msg, record.args = clean, None
+        return True
+
+
+for _name in (LOGGER_NAME, LOGGER_NAME + ".compat"):
+    logging.getLogger(_name).addFilter(_Redacting())
 
 _LEVELS = {
     "debug": logging.DEBUG,

@@ -32,7 +32,7 @@ import torch
 
 from . import _ops, distributed
 from ._dtypes import cast_dtype
-from ._logging import level_from_env
+from ._logging import level_from_env, redact
 from ._ops import checkpoint_files, ops
 from .progress import progress_from_env
 
@@ -562,7 +562,8 @@ class safe_open:
         if framework not in ("pt", "torch", "pytorch"):
             raise ValueError(f"framework {framework!r} is not supported: only 'pt' (PyTorch)")
         self._paths = _paths(filename)
-        self._path = self._paths[0] if len(self._paths) == 1 else ", ".join(self._paths)
+        # How messages name the files (URLs without their credentials).
+        self._path = redact(self._paths[0] if len(self._paths) == 1 else ", ".join(self._paths))
         self._device = _device_name(device)
         self._reader = _reader(reader)
         self._nogds = _nogds(nogds)
@@ -719,7 +720,7 @@ class _FileReader:
                 with _gc_paused():
                     group = self._stream.next() if self._stream is not None else None
                 if group is None:
-                    raise RuntimeError(f"{self._path}: internal error: '{name}' was not read")
+                    raise RuntimeError(f"{redact(self._path)}: internal error: '{name}' was not read")
                 self.arrived.update(zip(*group))
             return self.arrived[name]
 

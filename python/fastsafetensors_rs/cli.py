@@ -31,7 +31,7 @@ import torch
 
 from . import _ops, api
 from ._dtypes import DTYPES, nbytes, numel
-from ._logging import enable_logging
+from ._logging import enable_logging, redact
 from ._ops import ops
 from .progress import ByteProgress, progress, progress_enabled
 
@@ -475,7 +475,10 @@ def _check_settings() -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs the command line; returns the exit status. Output cut short by a closed pipe
-    (`... | head`) ends the program quietly with status 141, as SIGPIPE ends other tools."""
+    (`... | head`) ends the program quietly with status 141, as SIGPIPE ends other tools.
+    What it writes shows URLs without their credentials or query strings (`redact`)."""
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Redacting(out), _Redacting(err)
     try:
         return _main(argv)
     except BrokenPipeError:
@@ -483,6 +486,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 141
     except KeyboardInterrupt:
         return 130
+    finally:
+        sys.stdout, sys.stderr = out, err
+
+
+class _Redacting:
+    """A text stream that writes what it is given to `stream`, URLs redacted. Every write
+    holds whole URLs: print writes its text at once, and JSON is written as one string."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return self._stream.write(redact(text))
+
+    def __getattr__(self, name: str):  # flush, fileno, isatty, encoding, ...
+        return getattr(self._stream, name)
 
 
 def _discard_stdout() -> None:
@@ -502,8 +521,7 @@ def _failed(args: argparse.Namespace, error: str, status: int) -> int:
     document saying so on stdout."""
     print(f"{PROG} {args.command}: {error}", file=sys.stderr)
     if args.json:
-        json.dump({"command": args.command, "valid": False, "error": error}, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        sys.stdout.write(json.dumps({"command": args.command, "valid": False, "error": error}, indent=2) + "\n")
         sys.stdout.flush()
     return status
 
@@ -528,7 +546,6 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             logger.exception("%s failed", args.command)
         return _failed(args, str(e), 1)
     if args.json:
-        json.dump(result, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        sys.stdout.write(json.dumps(result, indent=2) + "\n")
     sys.stdout.flush()  # a closed pipe shows here, inside main, not at exit
     return 0 if ok else 1

@@ -40,6 +40,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from ._dtypes import CASTABLE, DTYPES, torch_shape
+from ._logging import redact
 from ._ops import checkpoint_files, describe, ops
 
 __all__ = ["node_group", "group_size", "SharedLoad", "SharedTensors", "sharded_load", "block"]
@@ -184,7 +185,7 @@ class SharedLoad:
             if len(holders) > 1:
                 groups = "; ".join(f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))}: version {k + 1}"
                                    for k, rs in enumerate(holders.values()))
-                raise RuntimeError(f"process_group: {path} holds different bytes on different ranks ({groups}): "
+                raise RuntimeError(f"process_group: {redact(path)} holds different bytes on different ranks ({groups}): "
                                    "each rank must see the same checkpoint (the same path in another working "
                                    "directory, another mount or another copy is another file)")
         for r, (_, theirs, _, _) in enumerate(everyone):

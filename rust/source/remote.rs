@@ -35,7 +35,9 @@ use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
 use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
 use object_store::http::HttpBuilder;
 use object_store::path::Path as ObjectPath;
-use object_store::{BackoffConfig, ClientConfigKey, GetOptions, ObjectStore, ObjectStoreScheme, RetryConfig};
+use object_store::{
+    BackoffConfig, ClientConfigKey, ClientOptions, GetOptions, ObjectStore, ObjectStoreScheme, RetryConfig,
+};
 use tokio::runtime::Runtime;
 use tokio::sync::Semaphore;
 use url::Url;
@@ -199,6 +201,9 @@ fn locate(url: &str) -> Result<Location> {
     if let Some(query) = query {
         key.push_str(&format!("?{:x}", text_hash(query)));
     }
+    if !parsed.username().is_empty() || parsed.password().is_some() {
+        key.push_str(&format!("@{:x}", text_hash(&parsed[url::Position::BeforeUsername..url::Position::BeforeHost])));
+    }
     let mut stores = STORES.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
     let store = match stores.get(&key) {
         Some(store) => Arc::clone(store),
@@ -294,11 +299,21 @@ fn build_store(
         }
         ObjectStoreScheme::Http => {
             // The store appends each object's path to its URL, and keeps the URL's query.
+            // The user name and password go as Basic authorization, on every request to this
+            // host (the store's URL is this one host's), never in the URL the client sees.
+            let host = format!("{}://{}", parsed.scheme(), &parsed[url::Position::BeforeHost..url::Position::BeforePath]);
             let base = match parsed.query() {
-                Some(query) => format!("{}/?{query}", &parsed[..url::Position::BeforePath]),
-                None => parsed[..url::Position::BeforePath].to_owned(),
+                Some(query) => format!("{host}/?{query}"),
+                None => host,
             };
+            let mut options = ClientOptions::new();
+            if let Some(authorization) = basic_authorization(parsed) {
+                let mut headers = http::HeaderMap::new();
+                headers.insert(http::header::AUTHORIZATION, authorization);
+                options = options.with_default_headers(headers);
+            }
             let b = HttpBuilder::new()
+                .with_client_options(options)
                 .with_url(base)
                 .with_retry(retry)
                 .with_config(ClientConfigKey::AllowHttp, "true")
@@ -309,6 +324,22 @@ fn build_store(
         _ => return Err(Error::InvalidUrl { url: shown(url), reason: "not an object store URL".to_owned() }),
     };
     Ok(store)
+}
+
+/// The `Authorization: Basic` value of the user name and password in `url`, if it has them.
+fn basic_authorization(url: &Url) -> Option<http::HeaderValue> {
+    use base64::Engine;
+    if url.username().is_empty() && url.password().is_none() {
+        return None;
+    }
+    let decode = |text: &str| percent_encoding::percent_decode_str(text).collect::<Vec<u8>>();
+    let mut pair = decode(url.username());
+    pair.push(b':');
+    pair.extend(decode(url.password().unwrap_or("")));
+    let token = base64::engine::general_purpose::STANDARD.encode(pair);
+    let mut value = http::HeaderValue::from_str(&format!("Basic {token}")).ok()?;
+    value.set_sensitive(true);
+    Some(value)
 }
 
 /// `b` with the profile's values where the environment gave none. Credentials go as a pair:

@@ -8,6 +8,7 @@ process (so that a test can kill it mid-transfer); it writes its port to PORT_FI
 
 from __future__ import annotations
 
+import base64
 import datetime
 import email.utils
 import hashlib
@@ -74,7 +75,12 @@ class _FileHandler(BaseHTTPRequestHandler):
 
     def _authorized(self) -> bool:
         """With a `secret`, only requests whose query carries `sig=<secret>` (as a presigned
-        URL carries its signature) are served."""
+        URL carries its signature) are served; with `basic_auth` (user, password), only those
+        that carry them as HTTP Basic authorization."""
+        if self.server.basic_auth is not None:
+            token = base64.b64encode(":".join(self.server.basic_auth).encode()).decode()
+            if self.headers.get("Authorization") != f"Basic {token}":
+                return False
         if self.server.secret is None:
             return True
         query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
@@ -177,12 +183,12 @@ class FileServer(_LoopbackServer):
     daemon_threads = True
 
     def __init__(self, root: Path, port: int = 0, delay: float = 0.0, etag: bool = True, last_modified: bool = True,
-                 secret: str | None = None):
+                 secret: str | None = None, basic_auth: tuple | None = None):
         super().__init__(port, _FileHandler)
         self.root = Path(root).resolve()
         self.delay = delay
         # Which validators the answers carry, and the signature a request's query must hold.
-        self.etag, self.last_modified, self.secret = etag, last_modified, secret
+        self.etag, self.last_modified, self.secret, self.basic_auth = etag, last_modified, secret, basic_auth
         self.sent = 0
         self.requests: list = []
         self._lock = threading.Lock()

@@ -693,3 +693,72 @@ def test_partial_entries_of_a_process_that_is_gone_are_removed(cached, http_serv
     assert not stale.exists(), "a partial entry of a dead process was left"
     assert ours.exists(), "a partial entry of a running process was removed"
     ours.unlink()
+
+
+def test_a_stalled_server_holds_up_only_its_own_loads(local_models, monkeypatch):
+    """Many small parts in flight to a server that stops answering hold that server's request
+    slots, not the process's: a load from another server goes on at its own pace."""
+    monkeypatch.setenv("FASTSAFETENSORS_REMOTE_PART_SIZE", "64K")
+    monkeypatch.setenv("FASTSAFETENSORS_REMOTE_TIMEOUT", "8")
+    monkeypatch.setenv("FASTSAFETENSORS_REMOTE_RETRIES", "0")
+    ref = reference(local_models / "flat" / "a.safetensors")
+    with FileServer(local_models) as stalled, FileServer(local_models) as healthy:
+        outcome = {}
+        with fst.safe_open(f"{stalled.url}/big/model.safetensors", framework="pt") as f:
+            stalled.delay = 30.0  # from now on each answer waits past the timeout
+
+            def stall():
+                try:
+                    f.get_tensor("b")
+                except RuntimeError as e:
+                    outcome["error"] = str(e)
+
+            t = threading.Thread(target=stall)
+            t.start()
+            deadline = time.monotonic() + 5
+            while len(stalled.requests) < 17 and time.monotonic() < deadline:  # the open, then 16 parts
+                time.sleep(0.05)
+            assert len(stalled.requests) >= 17, stalled.requests
+            start = time.monotonic()
+            U.assert_same_dict(fst.load_file(f"{healthy.url}/flat/a.safetensors"), ref)
+            took = time.monotonic() - start
+            t.join(timeout=60)
+        assert took < 3, f"a load from a healthy server took {took:.1f} s beside a stalled one"
+        assert "error" in outcome, "the stalled load did not fail"
+
+
+# ------------------------------------------------------------------------------ secrets in URLs
+def test_credentials_in_urls_are_used_and_never_shown(local_models, tmp_path):
+    """`user:password@` goes as HTTP Basic authorization; neither it nor a query string shows
+    in an error, a log line or the command line's output."""
+    root = tmp_path / "served"
+    (root / "m").mkdir(parents=True)
+    tensors = _same_layout_other_values(root / "m" / "model.safetensors", 0.0)
+    (root / "m" / "notes.safetensors").write_bytes(b"PK\x03\x04 not a safetensors file at all" * 10)
+    (root / "m" / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model.safetensors", "b": "missing.safetensors"}}))
+    password, sig = "pa55w0rd-SECRET", "SIGNATURE-SECRET"
+    with FileServer(root, basic_auth=("user", password)) as server:
+        base = server.url.replace("http://", f"http://user:{password}@")
+        U.assert_same_dict(fst.load_file(f"{base}/m/model.safetensors"), tensors)
+        failing = [lambda: fst.load_file(f"{base}/m/absent.safetensors?sig={sig}"),
+                   lambda: fst.load_file(f"{base}/m/model.safetensors.index.json"),
+                   lambda: fst.safe_open(f"{base}/m/notes.safetensors?sig={sig}", framework="pt"),
+                   lambda: fst.load_file(f"{server.url}/m/model.safetensors?sig={sig}")]  # no password: 401
+        for load in failing:
+            with pytest.raises((RuntimeError, OSError, ValueError)) as e:
+                load()
+            assert password not in str(e.value) and sig not in str(e.value), e.value
+            assert "/m/" in str(e.value), e.value
+        script = (f"import fastsafetensors_rs as f\nf.load_file({base + '/m/model.safetensors?sig=' + sig!r})\n"
+                  f"with f.safe_open({base + '/m/model.safetensors?sig=' + sig!r}) as h:\n    h.get_tensor('zz')\n")
+        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             env={**os.environ, "FASTSAFETENSORS_LOG": "debug"}, timeout=120)
+        assert "read with" in run.stderr and "KeyError" in run.stderr, run.stderr
+        for cli in (["inspect", "-v", f"{base}/m/model.safetensors?sig={sig}"],
+                    ["verify", "-v", "--json", f"{base}/m/absent.safetensors?sig={sig}"]):
+            out = subprocess.run([sys.executable, "-m", "fastsafetensors_rs", *cli], capture_output=True,
+                                 text=True, timeout=120)
+            assert f"{server.url}/m/{'model' if cli[0] == 'inspect' else 'absent'}.safetensors" in out.stdout, out
+            for text in (run.stdout, run.stderr, out.stdout, out.stderr):
+                assert password not in text and sig not in text, text
