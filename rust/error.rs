@@ -101,6 +101,9 @@ pub enum Error {
     /// The object was replaced after its header was read: its bytes would mix two versions.
     #[error("{url}: the object changed while it was being loaded (it is no longer the version whose header was read); load it again once it is complete")]
     RemoteChanged { url: String },
+    /// The server answered in a way the loader cannot use (and retrying would not change).
+    #[error("{url}: {reason}")]
+    RemoteAnswer { url: String, reason: String },
     /// A request for an object failed after its retries (unreachable host, timeout, server error).
     #[error("{url}: {detail} (FASTSAFETENSORS_REMOTE_RETRIES and FASTSAFETENSORS_REMOTE_TIMEOUT set how long a request is retried)")]
     Remote { url: String, detail: String },

@@ -36,7 +36,8 @@ use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
 use object_store::http::HttpBuilder;
 use object_store::path::Path as ObjectPath;
 use object_store::{
-    BackoffConfig, ClientConfigKey, ClientOptions, GetOptions, ObjectStore, ObjectStoreScheme, RetryConfig,
+    Attribute, BackoffConfig, ClientConfigKey, ClientOptions, GetOptions, ObjectStore, ObjectStoreScheme,
+    RetryConfig,
 };
 use tokio::runtime::Runtime;
 use tokio::sync::Semaphore;
@@ -180,6 +181,12 @@ fn locate(url: &str) -> Result<Location> {
         Some(_) => {
             scheme = ObjectStoreScheme::Http;
             ObjectPath::parse(parsed.path()).map_err(|e| invalid(one_line(&e.to_string())))?
+        }
+        // The key of an s3:// URL is read as the AWS CLI reads it: the text after the bucket
+        // as written (`%20` is those three characters, not a space).
+        None if matches!(parsed.scheme(), "s3" | "s3a") => {
+            let key = url.split_once("://").and_then(|(_, rest)| rest.split_once('/')).map_or("", |(_, key)| key);
+            ObjectPath::parse(key).map_err(|e| invalid(one_line(&e.to_string())))?
         }
         None => path,
     };
@@ -390,6 +397,19 @@ impl RemoteObject {
                 }
                 Err(e) => return Err(remote_error(&at.url, e)),
             };
+            // Ranges address the bytes as sent: compressed ones are not the object's own.
+            if let Some(encoding) = got.attributes.get(&Attribute::ContentEncoding) {
+                if !encoding.eq_ignore_ascii_case("identity") {
+                    return Err(Error::RemoteAnswer {
+                        url: at.url.clone(),
+                        reason: format!(
+                            "the server sent it with Content-Encoding: {}, which was not asked for: ranged reads \
+                             need the object's own bytes, so serve (or store) it uncompressed",
+                            &**encoding
+                        ),
+                    });
+                }
+            }
             let identity = identity_of(&got.meta);
             let bytes = got.bytes().await.map_err(|e| remote_error(&at.url, e))?;
             Ok((identity, bytes))
@@ -770,6 +790,13 @@ mod tests {
         let plain = locate("http://127.0.0.1:9/m.safetensors").unwrap();
         assert!(!Arc::ptr_eq(&v2.store, &v3.store) && !Arc::ptr_eq(&v2.store, &plain.store));
         assert!(Arc::ptr_eq(&v2.store, &locate("http://127.0.0.1:9/other?v=2").unwrap().store));
+    }
+
+    #[test]
+    fn s3_keys_are_read_as_written() {
+        assert_eq!(locate("s3://b/sp%20ace/k.safetensors").unwrap().path.as_ref(), "sp%20ace/k.safetensors");
+        assert_eq!(locate("s3://b/sp ace/k").unwrap().path.as_ref(), "sp ace/k");
+        assert_eq!(locate("s3://b/a+b/c").unwrap().path.as_ref(), "a+b/c");
     }
 
     #[test]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import datetime
 import email.utils
+import gzip
 import hashlib
 import hmac
 import http.client
@@ -136,6 +137,11 @@ class _FileHandler(BaseHTTPRequestHandler):
                 return self._reply(416, {**common, "Content-Range": f"bytes */{size}"})
             status = 206
             common["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+        if self.server.encoding == "gzip":
+            with open(path, "rb") as f:
+                f.seek(start)
+                data = gzip.compress(f.read(end - start))
+            return self._reply(status, {**common, "Content-Encoding": "gzip"}, data if body else b"")
         self.send_response(status)
         for k, v in common.items():
             self.send_header(k, v)
@@ -183,12 +189,14 @@ class FileServer(_LoopbackServer):
     daemon_threads = True
 
     def __init__(self, root: Path, port: int = 0, delay: float = 0.0, etag: bool = True, last_modified: bool = True,
-                 secret: str | None = None, basic_auth: tuple | None = None):
+                 secret: str | None = None, basic_auth: tuple | None = None, encoding: str | None = None):
         super().__init__(port, _FileHandler)
         self.root = Path(root).resolve()
         self.delay = delay
         # Which validators the answers carry, and the signature a request's query must hold.
         self.etag, self.last_modified, self.secret, self.basic_auth = etag, last_modified, secret, basic_auth
+        # "gzip": every answer's body compressed, with Content-Encoding, whatever was asked for.
+        self.encoding = encoding
         self.sent = 0
         self.requests: list = []
         self._lock = threading.Lock()

@@ -762,3 +762,26 @@ def test_credentials_in_urls_are_used_and_never_shown(local_models, tmp_path):
             assert f"{server.url}/m/{'model' if cli[0] == 'inspect' else 'absent'}.safetensors" in out.stdout, out
             for text in (run.stdout, run.stderr, out.stdout, out.stderr):
                 assert password not in text and sig not in text, text
+
+
+def test_s3_keys_are_read_as_the_aws_cli_reads_them(s3_env, tmp_path):
+    """`%20` in an s3:// URL is three characters of the key, as `aws s3 cp` takes it; a space
+    is a space."""
+    literal = _same_layout_other_values(tmp_path / "literal.safetensors", 0.0)
+    spaced = _same_layout_other_values(tmp_path / "spaced.safetensors", 1.0)
+    s3_env.put(BUCKET, "sp%20ace/m.safetensors", (tmp_path / "literal.safetensors").read_bytes())
+    s3_env.put(BUCKET, "sp ace/m.safetensors", (tmp_path / "spaced.safetensors").read_bytes())
+    U.assert_same_dict(fst.load_file(f"s3://{BUCKET}/sp%20ace/m.safetensors"), literal)
+    U.assert_same_dict(fst.load_file(f"s3://{BUCKET}/sp ace/m.safetensors"), spaced)
+
+
+def test_a_compressed_answer_is_refused_saying_so(local_models, tmp_path):
+    root = tmp_path / "served"
+    root.mkdir()
+    _same_layout_other_values(root / "model.safetensors", 0.0)
+    with FileServer(root, encoding="gzip") as server:
+        with pytest.raises(RuntimeError) as e:
+            fst.load_file(f"{server.url}/model.safetensors")
+    message = str(e.value)
+    assert "Content-Encoding: gzip, which was not asked for" in message, message
+    assert "decompress it first" not in message and "\n" not in message, message
