@@ -530,6 +530,7 @@ int64_t open_handle(Strings files, std::optional<std::string> cache_dir) {
   return call_rust([&] { return rs::open_handle(to_rust(files), cache_dir.value_or("")); });
 }
 bool close_handle(int64_t handle) { return rs::close_handle(handle); }
+bool cancel_handle(int64_t handle) { return rs::cancel_handle(handle); }
 
 Strings keys(std::string file) {
   auto names = std::get<0>(describe(std::move(file), -1));
@@ -578,6 +579,7 @@ FST_LIBRARY(m) {
         " -> (str[] names, str[] dtypes, int[][] shapes, str[]? metadata_keys, str[]? metadata_values)");
   m.def("open_handle(str[] files, str? cache_dir=None) -> int");
   m.def("close_handle(int handle) -> bool");
+  m.def("cancel_handle(int handle) -> bool");
 }
 
 FST_LIBRARY_IMPL(m) {
@@ -601,6 +603,7 @@ FST_LIBRARY_IMPL(m) {
   m.impl("describe", FST_KERNEL(describe));
   m.impl("open_handle", FST_KERNEL(open_handle));
   m.impl("close_handle", FST_KERNEL(close_handle));
+  m.impl("cancel_handle", FST_KERNEL(cancel_handle));
 }
 
 }  // namespace fastsafetensors

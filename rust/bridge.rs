@@ -130,6 +130,9 @@ mod ffi {
         /// Lets go of the files of `handle` (loads running from them keep them); false if it
         /// was not open.
         fn close_handle(handle: i64) -> bool;
+        /// Stops the reads of `handle`'s files in flight, in every load and stream from them
+        /// (a load interrupted); false if it was not open.
+        fn cancel_handle(handle: i64) -> bool;
 
         /// Records an event on `stream`, torch's current stream (a `cudaStream_t`) on CUDA
         /// device `ordinal`, for `ready` below. The extension keeps it until the copies given
@@ -513,6 +516,10 @@ fn open_handle(paths: &Vec<String>, cache_dir: &str) -> Result<i64> {
 
 fn close_handle(handle: i64) -> bool {
     guard(|| Ok(HANDLES.remove(handle))).unwrap_or(false)
+}
+
+fn cancel_handle(handle: i64) -> bool {
+    guard(|| Ok(HANDLES.get(handle).map(|files| files.cancel()).is_ok())).unwrap_or(false)
 }
 
 /// The files open under `handle`; `None` for -1 (a load that opens its paths itself).

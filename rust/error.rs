@@ -101,6 +101,9 @@ pub enum Error {
     /// The object was replaced after its header was read: its bytes would mix two versions.
     #[error("{url}: the object changed while it was being loaded (it is no longer the version whose header was read); load it again once it is complete")]
     RemoteChanged { url: String },
+    /// The load was given up (its stream closed, its handle cancelled) while this read waited.
+    #[error("{}: the read was cancelled (the load was closed or interrupted)", .path.display())]
+    Cancelled { path: PathBuf },
     /// The server answered in a way the loader cannot use (and retrying would not change).
     #[error("{url}: {reason}")]
     RemoteAnswer { url: String, reason: String },

@@ -26,7 +26,7 @@ import logging
 import os
 import threading
 import weakref
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
 
@@ -37,6 +37,7 @@ from ._ops import checkpoint_files, ops
 from .progress import progress_from_env
 
 logger = logging.getLogger("fastsafetensors_rs")
+T = TypeVar("T")
 
 PathLike = Union[str, bytes, os.PathLike]
 Device = Union[str, int, torch.device]
@@ -319,10 +320,62 @@ def load(
         with _gc_paused():
             out = dict(pair for buffer in shared.buffers() for pair in buffer)
     else:
-        with _opened(paths, cache) as (files, handle):
-            out = _load(files, target, cast, reader, nogds, patterns, mode, handle)
+        def run(load: Optional[_Interruptible]) -> Dict[str, torch.Tensor]:
+            with _opened(paths, cache, load) as (files, handle):
+                return _load(files, target, cast, reader, nogds, patterns, mode, handle)
+
+        out = _Interruptible(target).run(run) if any(map(is_url, paths)) else run(None)
     _nothing_selected(patterns, mode, len(out), paths)
     return out
+
+
+class _Interruptible:
+    """Runs a load of URLs on a thread of its own while the caller's waits, so that Ctrl-C
+    reaches the caller at once however long a server takes. Then the reads in flight from the
+    load's handle are cancelled (they stop within 50 ms) and the thread joined; a load still
+    opening its files (a header's GET) is left to finish on its own, and its handle closed
+    unused. On CUDA the thread loads on the caller's current stream."""
+
+    def __init__(self, device: str):
+        self._stream = torch.cuda.current_stream(device) if device.startswith("cuda") else None
+        self._lock = threading.Lock()
+        self._handle: Optional[int] = None
+        self._interrupted = False
+
+    def opened(self, handle: int) -> None:
+        """The load's files are open under `handle`: from now on an interrupt cancels its reads.
+        Raises KeyboardInterrupt on the load's thread if the caller was interrupted already."""
+        with self._lock:
+            self._handle = handle
+            if self._interrupted:
+                raise KeyboardInterrupt
+
+    def run(self, load: Callable[["_Interruptible"], T]) -> T:
+        outcome: Dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+                    outcome["value"] = load(self)
+            except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+                outcome["error"] = e
+
+        worker = threading.Thread(target=work, name="fastsafetensors-load", daemon=True)
+        worker.start()
+        try:
+            while worker.is_alive():
+                worker.join(0.1)
+        except KeyboardInterrupt:
+            with self._lock:
+                self._interrupted = True
+                handle = self._handle
+            if handle is not None:
+                ops.cancel_handle(handle)
+                worker.join()
+            raise
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
 
 
 def _cache_dir(cache_dir: Optional[PathLike]) -> Optional[str]:
@@ -332,11 +385,13 @@ def _cache_dir(cache_dir: Optional[PathLike]) -> Optional[str]:
 
 
 @contextlib.contextmanager
-def _opened(paths: List[str], cache_dir: Optional[str]) -> Iterator[Tuple[List[str], int]]:
-    """`(paths, -1)` where there is no `cache_dir` (the ops open the paths themselves); else
-    the files they stand for, and a handle on them opened with that cache (closed on exit:
-    the loads and streams started from it keep what they read from)."""
-    if cache_dir is None:
+def _opened(paths: List[str], cache_dir: Optional[str],
+            interruptible: Optional[_Interruptible] = None) -> Iterator[Tuple[List[str], int]]:
+    """`(paths, -1)` for local paths without a `cache_dir` (the ops open the paths themselves);
+    else the files they stand for, and a handle on them, opened with that cache (closed on
+    exit: the loads and streams started from it keep what they read from). URLs always get
+    a handle: it is what cancels their requests on Ctrl-C (`_Interruptible`)."""
+    if cache_dir is None and not any(map(is_url, paths)):
         yield paths, -1
         return
     # Files as they are (opening one reads its header: a second open would be a second GET);
@@ -344,6 +399,8 @@ def _opened(paths: List[str], cache_dir: Optional[str]) -> Iterator[Tuple[List[s
     files = paths if all(p.endswith(".safetensors") for p in paths) else checkpoint_files(paths)
     handle = ops.open_handle(files, cache_dir)
     try:
+        if interruptible is not None:
+            interruptible.opened(handle)
         yield files, handle
     finally:
         ops.close_handle(handle)

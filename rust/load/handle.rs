@@ -76,6 +76,12 @@ impl OpenFiles {
         Ok(OpenFiles { sources, headers, tensors, file_tensors, by_name })
     }
 
+    /// Stops the reads of these files in flight (a load given up: interrupted, or its handle
+    /// cancelled), and fails the later ones.
+    pub fn cancel(&self) {
+        self.sources.iter().for_each(|s| s.cancel());
+    }
+
     /// The index of file `path` among those opened; an error for a file not opened here.
     fn file(&self, path: &Path) -> Result<usize> {
         self.sources.iter().position(|s| s.path() == path).ok_or_else(|| {

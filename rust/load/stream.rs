@@ -609,7 +609,10 @@ impl Schedule {
                     // SAFETY: [at, at + b.len) lies inside the buffer (the extent's blocks
                     // cover it exactly), which `buffer` keeps alive; no other read writes it.
                     let dst = unsafe { target.slice(at, b.len as usize) };
-                    catch_unwind(AssertUnwindSafe(|| reader.read(&b, dst)))
+                    // A remote read stops waiting once the stream is dropped.
+                    let live = Arc::clone(&shared);
+                    let wanted: source::Wanted = Arc::new(move || !live.cancelled());
+                    catch_unwind(AssertUnwindSafe(|| source::read_while(wanted, || reader.read(&b, dst))))
                         .unwrap_or_else(|p| Err(Error::from_panic(p)))
                 };
                 drop(buffer);

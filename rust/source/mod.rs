@@ -267,6 +267,10 @@ pub trait Source: Send + Sync {
     /// The local file behind the source, if there is one.
     fn local(&self) -> Option<&LocalFile>;
 
+    /// Stops the reads of this source that are in flight, and fails those that follow (a
+    /// remote object's requests; local reads are short and finish). For a load given up.
+    fn cancel(&self) {}
+
     /// Whether the source splits a read into parallel requests itself (a remote object): it is
     /// then given whole extents rather than blocks spread over the I/O pool.
     fn splits_reads(&self) -> bool {
@@ -367,6 +371,28 @@ pub fn sampled_fingerprint<S: Source + ?Sized>(
 /// `bytes` in lowercase hexadecimal (how digests are written and compared).
 pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Whether the read running on this thread is still wanted (a stream not yet dropped).
+pub type Wanted = Arc<dyn Fn() -> bool + Send + Sync>;
+
+thread_local! {
+    static WANTED: std::cell::RefCell<Option<Wanted>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `read` with `wanted` as what a source that waits long (a remote object) asks, while it
+/// waits, whether to go on: a stream dropped mid-read stops its requests at once instead of
+/// waiting for a stalled server.
+pub fn read_while<T>(wanted: Wanted, read: impl FnOnce() -> T) -> T {
+    let before = WANTED.with(|w| w.borrow_mut().replace(wanted));
+    let out = read();
+    WANTED.with(|w| *w.borrow_mut() = before);
+    out
+}
+
+/// What [`read_while`] set on this thread, if anything.
+pub(crate) fn wanted() -> Option<Wanted> {
+    WANTED.with(|w| w.borrow().clone())
 }
 
 /// Opens what `path` names: an object for a URL (`s3://`, `gs://`, `az://`, `http(s)://`),

@@ -25,6 +25,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -44,6 +45,7 @@ use tokio::sync::Semaphore;
 use url::Url;
 
 use super::aws_files;
+use crate::source;
 use super::cache::CacheWriter;
 use super::{sampled_fingerprint, Capabilities, Identity, LocalFile, Source};
 use crate::error::{Error, Result};
@@ -70,6 +72,8 @@ const DEFAULT_TIMEOUT_S: u64 = 30;
 const DEFAULT_RETRIES: usize = 10;
 /// Retries of one request stop this long after it was first sent.
 const RETRY_WINDOW: Duration = Duration::from_secs(120);
+/// How often a read waiting on the store checks whether it was cancelled.
+const CANCEL_CHECK: Duration = Duration::from_millis(50);
 /// Largest object read whole (an index): bigger ones are not indexes.
 const MAX_SMALL_OBJECT: u64 = 100_000_000;
 /// URL schemes read through `object_store`.
@@ -380,6 +384,8 @@ pub struct RemoteObject {
     settings: RemoteSettings,
     /// Where the bytes read are copied for the next load, if the cache is on.
     cache: Option<CacheWriter>,
+    /// Set by [`Source::cancel`]: reads stop.
+    cancelled: AtomicBool,
 }
 
 impl RemoteObject {
@@ -419,7 +425,15 @@ impl RemoteObject {
                 pinned to one version: only its size is checked on every read (a replacement of the same size \
                 during the load would go unseen)");
         }
-        Ok(RemoteObject { path: PathBuf::from(url), at, identity, prefix, settings, cache: None })
+        Ok(RemoteObject {
+            path: PathBuf::from(url),
+            at,
+            identity,
+            prefix,
+            settings,
+            cache: None,
+            cancelled: AtomicBool::new(false),
+        })
     }
 
     /// From now on, the bytes read are also written to the object's entry in the cache at
@@ -487,6 +501,27 @@ impl RemoteObject {
         Ok(())
     }
 
+    /// `reads`, unless the object is cancelled or the thread's read stops being wanted
+    /// ([`source::read_while`]) first: then an error, and the requests are dropped.
+    async fn unless_cancelled(&self, reads: impl Future<Output = Result<()>>) -> Result<()> {
+        let wanted = source::wanted();
+        let given_up = async {
+            loop {
+                tokio::time::sleep(CANCEL_CHECK).await;
+                if self.cancelled.load(Ordering::Relaxed) || wanted.as_ref().is_some_and(|w| !w()) {
+                    return;
+                }
+            }
+        };
+        if self.cancelled.load(Ordering::Relaxed) {
+            return Err(Error::Cancelled { path: self.path.clone() });
+        }
+        tokio::select! {
+            done = reads => done,
+            () = given_up => Err(Error::Cancelled { path: self.path.clone() }),
+        }
+    }
+
     /// Whether `now` is the version opened: the same size, and the same ETag, version id and
     /// Last-Modified date where the store gives them.
     fn same_version(&self, now: &Identity) -> bool {
@@ -531,8 +566,15 @@ impl Source for RemoteObject {
         let part = self.settings.part_size as usize;
         let parts =
             buf[..n].chunks_mut(part).enumerate().map(|(i, dst)| self.get_into(offset + (i * part) as u64, dst));
-        block_on(stream::iter(parts).buffer_unordered(self.settings.concurrency).try_collect::<()>())?;
+        let reads = stream::iter(parts).buffer_unordered(self.settings.concurrency).try_collect::<()>();
+        block_on(self.unless_cancelled(reads))?;
         Ok(n)
+    }
+
+    /// Stops the requests in flight within [`CANCEL_CHECK`]: they are dropped, so nothing
+    /// writes into the caller's buffers after `read_at` returns.
+    fn cancel(&self) {
+        self.cancelled.store(true, Ordering::Relaxed);
     }
 
     fn capabilities(&self) -> Capabilities {

@@ -156,7 +156,7 @@ class _FileHandler(BaseHTTPRequestHandler):
                 chunk = f.read(min(left, 1 << 20))
                 if not chunk:
                     break
-                if self.server.delay:
+                if self.server.delay and start >= self.server.delay_from:
                     time.sleep(self.server.delay)
                 self.wfile.write(chunk)
                 self.server.count(len(chunk))
@@ -193,6 +193,7 @@ class FileServer(_LoopbackServer):
         super().__init__(port, _FileHandler)
         self.root = Path(root).resolve()
         self.delay = delay
+        self.delay_from = 0  # answers for ranges starting before this byte are not delayed
         # Which validators the answers carry, and the signature a request's query must hold.
         self.etag, self.last_modified, self.secret, self.basic_auth = etag, last_modified, secret, basic_auth
         # "gzip": every answer's body compressed, with Content-Encoding, whatever was asked for.

@@ -785,3 +785,62 @@ def test_a_compressed_answer_is_refused_saying_so(local_models, tmp_path):
     message = str(e.value)
     assert "Content-Encoding: gzip, which was not asked for" in message, message
     assert "decompress it first" not in message and "\n" not in message, message
+
+
+# ------------------------------------------------------------------------------ giving up a load
+def _stall_after_open(server) -> None:
+    server.delay = 60.0  # each answer from now on waits far past the test
+
+
+def test_closing_a_remote_stream_stops_its_stalled_requests_at_once(local_models, monkeypatch):
+    monkeypatch.setenv("FASTSAFETENSORS_REMOTE_PART_SIZE", "64K")
+    monkeypatch.setenv("FASTSAFETENSORS_REMOTE_TIMEOUT", "120")
+    with FileServer(local_models) as server:
+        for leave in ("close", "drop"):
+            it = fst.stream(f"{server.url}/big/model.safetensors", max_memory="4M")
+            _stall_after_open(server)
+            time.sleep(0.5)  # the reads are in flight, stalled
+            start = time.monotonic()
+            if leave == "close":
+                it.close()
+            else:
+                del it
+            took = time.monotonic() - start
+            server.delay = 0.0
+            assert took < 3, f"{leave}: leaving a stalled stream took {took:.1f} s"
+
+
+@pytest.mark.parametrize("stalled", ["header", "data"])
+def test_ctrl_c_interrupts_a_stalled_remote_load_at_once(local_models, stalled):
+    """SIGINT during `load_file` of a URL whose server stalls (in the GET of the header, or in
+    those of the data): KeyboardInterrupt within a second or two, not when the request times
+    out."""
+    script = f"""
+import sys
+sys.path.insert(0, {str(Path(U.__file__).parent)!r})
+import fastsafetensors_rs as f
+from remote_servers import FileServer
+with FileServer({str(local_models)!r}, delay=60) as server:
+    server.delay_from = {0 if stalled == "header" else 1 << 20}
+    print("loading", flush=True)
+    try:
+        f.load_file(server.url + "/big/model.safetensors")
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        sys.exit(7)
+"""
+    env = {**os.environ, "FASTSAFETENSORS_REMOTE_TIMEOUT": "120", "FASTSAFETENSORS_REMOTE_PART_SIZE": "64K"}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "loading"
+        time.sleep(2.0)  # stalled
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+        took = time.monotonic() - start
+        assert proc.returncode == 7 and "interrupted" in out, (proc.returncode, out, err)
+        assert took < 3, f"Ctrl-C took {took:.1f} s to interrupt the load"
+    finally:
+        proc.kill()
+        proc.wait()
