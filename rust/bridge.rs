@@ -1015,7 +1015,8 @@ fn checkpoint(path: &str) -> Result<CheckpointSpec> {
         Ok(CheckpointSpec {
             files: c.files.iter().map(|f| f.display().to_string()).collect(),
             index: c.index.as_ref().map(|i| i.path.display().to_string()).unwrap_or_default(),
-            problems: c.survey().iter().map(|p| format!("{report}: {p}")).collect(),
+            // Messages: their URLs shown without credentials, as errors' are.
+            problems: c.survey().iter().map(|p| crate::error::redact(&format!("{report}: {p}"))).collect(),
         })
     })
 }

@@ -492,7 +492,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 class _Redacting:
     """A text stream that writes what it is given to `stream`, URLs redacted. Every write
-    holds whole URLs: print writes its text at once, and JSON is written as one string."""
+    holds whole URLs: print writes its text at once, and json.dump each string at once."""
 
     def __init__(self, stream):
         self._stream = stream
@@ -521,7 +521,8 @@ def _failed(args: argparse.Namespace, error: str, status: int) -> int:
     document saying so on stdout."""
     print(f"{PROG} {args.command}: {error}", file=sys.stderr)
     if args.json:
-        sys.stdout.write(json.dumps({"command": args.command, "valid": False, "error": error}, indent=2) + "\n")
+        json.dump({"command": args.command, "valid": False, "error": error}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
         sys.stdout.flush()
     return status
 
@@ -546,6 +547,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             logger.exception("%s failed", args.command)
         return _failed(args, str(e), 1)
     if args.json:
-        sys.stdout.write(json.dumps(result, indent=2) + "\n")
+        json.dump(result, sys.stdout, indent=2)
+        sys.stdout.write("\n")
     sys.stdout.flush()  # a closed pipe shows here, inside main, not at exit
     return 0 if ok else 1

@@ -72,6 +72,9 @@ const DEFAULT_TIMEOUT_S: u64 = 30;
 const DEFAULT_RETRIES: usize = 10;
 /// Retries of one request stop this long after it was first sent.
 const RETRY_WINDOW: Duration = Duration::from_secs(120);
+/// The wait before the first retry of a request, doubled before each next one up to the most.
+const FIRST_RETRY_GAP: Duration = Duration::from_millis(100);
+const MAX_RETRY_GAP: Duration = Duration::from_secs(8);
 /// How often a read waiting on the store checks whether it was cancelled.
 const CANCEL_CHECK: Duration = Duration::from_millis(50);
 /// Largest object read whole (an index): bigger ones are not indexes.
@@ -261,15 +264,9 @@ fn build_store(
     profile: Option<aws_files::Profile>,
 ) -> Result<Arc<dyn ObjectStore>> {
     let settings = RemoteSettings::from_env()?;
-    let retry = RetryConfig {
-        backoff: BackoffConfig {
-            init_backoff: Duration::from_millis(100),
-            max_backoff: Duration::from_secs(8),
-            base: 2.0,
-        },
-        max_retries: settings.retries,
-        retry_timeout: RETRY_WINDOW,
-    };
+    // One try per call: the retries are [`Retries`]' (object_store's backoff is jittered so
+    // widely that 10 retries can be over in 2 s, too soon for a server that restarts).
+    let retry = RetryConfig { backoff: BackoffConfig::default(), max_retries: 0, retry_timeout: RETRY_WINDOW };
     let timeout = format!("{}s", settings.timeout.as_secs());
     let connect = format!("{}s", settings.timeout.as_secs().min(10));
     let failed = |e: object_store::Error| Error::InvalidUrl { url: shown(url), reason: one_line(&e.to_string()) };
@@ -395,14 +392,15 @@ impl RemoteObject {
         let at = locate(url)?;
         let (identity, prefix) = block_on(async {
             let options = GetOptions { range: Some((0..SPECULATIVE_HEADER).into()), ..Default::default() };
-            let got = match at.store.get_opts(&at.path, options).await {
-                Ok(got) => got,
-                // An empty object has no range to give: ask for it whole.
-                Err(e) if is_unsatisfiable(&e) => {
-                    at.store.get_opts(&at.path, GetOptions::default()).await.map_err(|e| remote_error(&at.url, e))?
+            let at = &at;
+            let got = with_retries(&at.url, &settings, || async {
+                match at.store.get_opts(&at.path, options.clone()).await {
+                    // An empty object has no range to give: ask for it whole.
+                    Err(e) if is_unsatisfiable(&e) => at.store.get_opts(&at.path, GetOptions::default()).await,
+                    got => got,
                 }
-                Err(e) => return Err(remote_error(&at.url, e)),
-            };
+            })
+            .await?;
             // Ranges address the bytes as sent: compressed ones are not the object's own.
             if let Some(encoding) = got.attributes.get(&Attribute::ContentEncoding) {
                 if !encoding.eq_ignore_ascii_case("identity") {
@@ -473,32 +471,51 @@ impl RemoteObject {
     /// Fetches `dst.len()` bytes from `start` with one GET on the opened version.
     async fn get_into(&self, start: u64, dst: &mut [u8]) -> Result<()> {
         let _permit = self.at.limit.acquire().await.expect("the semaphore is never closed");
-        let options = self.conditional(start..start + dst.len() as u64);
-        let got = self.at.store.get_opts(&self.at.path, options).await.map_err(|e| remote_error(&self.at.url, e))?;
-        // A store that ignored the condition still says which version it sent.
-        if !self.same_version(&identity_of(&got.meta)) {
-            return Err(Error::RemoteChanged { url: self.at.url.clone() });
-        }
-        let mut body = got.into_stream();
-        let mut done = 0usize;
-        while let Some(chunk) = body.next().await {
-            let chunk = chunk.map_err(|e| remote_error(&self.at.url, e))?;
-            let Some(to) = dst.get_mut(done..done + chunk.len()) else {
-                return Err(Error::Remote {
-                    url: self.at.url.clone(),
-                    detail: format!("the server sent more than the {} bytes asked for at byte {start}", dst.len()),
-                });
+        let mut retries = Retries::new(&self.settings);
+        // A failed request, or a body cut short, is asked for again whole.
+        loop {
+            let options = self.conditional(start..start + dst.len() as u64);
+            let got = match self.at.store.get_opts(&self.at.path, options).await {
+                Ok(got) => got,
+                Err(e) if retries.again(&e).await => continue,
+                Err(e) => return Err(retries.give_up(&self.at.url, e)),
             };
-            to.copy_from_slice(&chunk);
-            if let Some(cache) = &self.cache {
-                cache.write(start + done as u64, chunk.clone());
+            // A store that ignored the condition still says which version it sent.
+            if !self.same_version(&identity_of(&got.meta)) {
+                return Err(Error::RemoteChanged { url: self.at.url.clone() });
             }
-            done += chunk.len();
+            let mut body = got.into_stream();
+            let mut done = 0usize;
+            let mut cut = None;
+            while let Some(chunk) = body.next().await {
+                let chunk = match chunk {
+                    Ok(chunk) => chunk,
+                    Err(e) => {
+                        cut = Some(e);
+                        break;
+                    }
+                };
+                let Some(to) = dst.get_mut(done..done + chunk.len()) else {
+                    return Err(Error::Remote {
+                        url: self.at.url.clone(),
+                        detail: format!("the server sent more than the {} bytes asked for at byte {start}", dst.len()),
+                    });
+                };
+                to.copy_from_slice(&chunk);
+                if let Some(cache) = &self.cache {
+                    cache.write(start + done as u64, chunk.clone());
+                }
+                done += chunk.len();
+            }
+            match cut {
+                Some(e) if retries.again(&e).await => continue,
+                Some(e) => return Err(retries.give_up(&self.at.url, e)),
+                None if done < dst.len() => {
+                    return Err(Error::Truncated { path: self.path.clone(), at: start + done as u64, expected: self.len() })
+                }
+                None => return Ok(()),
+            }
         }
-        if done < dst.len() {
-            return Err(Error::Truncated { path: self.path.clone(), at: start + done as u64, expected: self.len() });
-        }
-        Ok(())
     }
 
     /// `reads`, unless the object is cancelled or the thread's read stops being wanted
@@ -548,8 +565,7 @@ impl Source for RemoteObject {
     }
 
     fn current_identity(&self) -> Result<Identity> {
-        let meta =
-            block_on(async { self.at.store.head(&self.at.path).await.map_err(|e| remote_error(&self.at.url, e)) })?;
+        let meta = block_on(with_retries(&self.at.url, &self.settings, || self.at.store.head(&self.at.path)))?;
         Ok(identity_of(&meta))
     }
 
@@ -643,8 +659,8 @@ pub fn list(url: &str) -> Result<Vec<String>> {
                 .to_owned(),
         });
     }
-    let listed =
-        block_on(async { at.store.list_with_delimiter(Some(&at.path)).await.map_err(|e| remote_error(&at.url, e)) })?;
+    let settings = RemoteSettings::from_env()?;
+    let listed = block_on(with_retries(&at.url, &settings, || at.store.list_with_delimiter(Some(&at.path))))?;
     let base = at.url.trim_end_matches('/');
     let mut urls: Vec<String> =
         listed.objects.iter().filter_map(|o| o.location.filename().map(|name| format!("{base}/{name}"))).collect();
@@ -655,8 +671,9 @@ pub fn list(url: &str) -> Result<Vec<String>> {
 /// The whole object at `url` (an index: at most 100 MB).
 pub fn read_small(url: &str) -> Result<Vec<u8>> {
     let at = locate(url)?;
+    let settings = RemoteSettings::from_env()?;
     block_on(async {
-        let got = at.store.get_opts(&at.path, GetOptions::default()).await.map_err(|e| remote_error(&at.url, e))?;
+        let got = with_retries(&at.url, &settings, || at.store.get_opts(&at.path, GetOptions::default())).await?;
         if got.meta.size > MAX_SMALL_OBJECT {
             return Err(Error::InvalidIndex {
                 path: PathBuf::from(&at.url),
@@ -680,10 +697,14 @@ async fn why_missing(url: &str) -> Option<String> {
         Ok(at) => at,
         Err(e) => return Some(e.to_string()),
     };
-    match at.store.head(&at.path).await {
+    let settings = match RemoteSettings::from_env() {
+        Ok(settings) => settings,
+        Err(e) => return Some(e.to_string()),
+    };
+    match with_retries(&at.url, &settings, || at.store.head(&at.path)).await {
         Ok(_) => None,
-        Err(object_store::Error::NotFound { .. }) => Some("does not exist".to_owned()),
-        Err(e) => Some(format!("cannot be read: {}", remote_error(&at.url, e))),
+        Err(Error::RemoteNotFound { .. }) => Some("does not exist".to_owned()),
+        Err(e) => Some(format!("cannot be read: {e}")),
     }
 }
 
@@ -709,6 +730,80 @@ fn say_once(url: &str, what: &str) {
     if said.insert(url.to_owned()) {
         eprintln!("fastsafetensors: {url}: {what}");
     }
+}
+
+/// The retries of one request: after a failure a retry can mend (a 5xx or 429 answer, a
+/// connection refused or reset, a timeout, a body cut short), wait 0.1 s, then twice as long
+/// each time, at most 8 s; at most `$FASTSAFETENSORS_REMOTE_RETRIES` times, and not past
+/// [`RETRY_WINDOW`] after the first try. 10 retries span 0.1 + 0.2 + ... + 6.4 + 8 + 8 + 8 =
+/// 36.7 s.
+struct Retries {
+    first: std::time::Instant,
+    gap: Duration,
+    done: usize,
+    max: usize,
+}
+
+impl Retries {
+    fn new(settings: &RemoteSettings) -> Retries {
+        Retries { first: std::time::Instant::now(), gap: FIRST_RETRY_GAP, done: 0, max: settings.retries }
+    }
+
+    /// Whether to try again after `e`; if so, once the gap has passed.
+    async fn again(&mut self, e: &object_store::Error) -> bool {
+        if self.done >= self.max || !retryable(e) || self.first.elapsed() + self.gap > RETRY_WINDOW {
+            return false;
+        }
+        tokio::time::sleep(self.gap).await;
+        self.gap = (self.gap * 2).min(MAX_RETRY_GAP);
+        self.done += 1;
+        true
+    }
+
+    /// The error `e` ends the request with, saying how long it was retried.
+    fn give_up(&self, url: &str, e: object_store::Error) -> Error {
+        let mut error = remote_error(url, e);
+        if let (Error::Remote { detail, .. }, 1..) = (&mut error, self.done) {
+            detail.push_str(&format!(", after {} retries over {:.1} s", self.done, self.first.elapsed().as_secs_f64()));
+        }
+        error
+    }
+}
+
+/// `call()` until it succeeds or [`Retries`] gives up.
+async fn with_retries<T, F: Future<Output = object_store::Result<T>>>(
+    url: &str,
+    settings: &RemoteSettings,
+    mut call: impl FnMut() -> F,
+) -> Result<T> {
+    let mut retries = Retries::new(settings);
+    loop {
+        match call().await {
+            Ok(done) => return Ok(done),
+            Err(e) if retries.again(&e).await => {}
+            Err(e) => return Err(retries.give_up(url, e)),
+        }
+    }
+}
+
+/// Whether a retry may mend `e`: the connection failed, timed out or was cut, or the server
+/// answered 5xx or 429 (busy, throttling, restarting). Not a 4xx, nor a changed version.
+fn retryable(e: &object_store::Error) -> bool {
+    use object_store::client::{HttpError, HttpErrorKind};
+    let object_store::Error::Generic { source, .. } = e else { return false };
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(source.as_ref());
+    while let Some(c) = cause {
+        if let Some(http) = c.downcast_ref::<HttpError>() {
+            return matches!(
+                http.kind(),
+                HttpErrorKind::Connect | HttpErrorKind::Request | HttpErrorKind::Timeout | HttpErrorKind::Interrupted
+            );
+        }
+        cause = c.source();
+    }
+    // An answer's status, as object_store writes it ("non-2xx status code: 503 Service ...").
+    let text = chain(e);
+    text.split("status code: ").skip(1).any(|rest| rest.starts_with('5') || rest.starts_with("429"))
 }
 
 /// A range past the end of an empty object.
@@ -832,6 +927,16 @@ mod tests {
         let plain = locate("http://127.0.0.1:9/m.safetensors").unwrap();
         assert!(!Arc::ptr_eq(&v2.store, &v3.store) && !Arc::ptr_eq(&v2.store, &plain.store));
         assert!(Arc::ptr_eq(&v2.store, &locate("http://127.0.0.1:9/other?v=2").unwrap().store));
+    }
+
+    #[test]
+    fn what_a_retry_may_mend() {
+        let answered = |text: &str| object_store::Error::Generic { store: "HTTP", source: text.to_owned().into() };
+        assert!(retryable(&answered("Error performing GET http://h/x in 1ms - Server returned non-2xx status code: 503 Service Unavailable: ")));
+        assert!(retryable(&answered("Server returned non-2xx status code: 429 Too Many Requests")));
+        assert!(!retryable(&answered("Server returned non-2xx status code: 400 Bad Request")));
+        assert!(!retryable(&object_store::Error::NotFound { path: "x".into(), source: "404".into() }));
+        assert!(!retryable(&object_store::Error::Precondition { path: "x".into(), source: "412".into() }));
     }
 
     #[test]

@@ -227,6 +227,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             if fail:
                 p.fail_next -= 1
                 p.failed += 1
+                p.failed_at.append(time.monotonic())
         if fail:
             body = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
             self.send_response(503)
@@ -270,6 +271,7 @@ class FaultProxy(_LoopbackServer):
         self.upstream = upstream
         self.fail_next = 0
         self.failed = 0
+        self.failed_at: list = []  # when each failed request came (time.monotonic())
         self.seen = 0
         self.delay = 0.0
         self.lock = threading.Lock()

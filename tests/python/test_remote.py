@@ -844,3 +844,26 @@ with FileServer({str(local_models)!r}, delay=60) as server:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_retries_wait_a_tenth_of_a_second_doubling_and_give_up_when_counted(http_server, local_models, monkeypatch):
+    """The schedule docs/remote.md gives: 0.1 s before the first retry, then twice as long
+    each time (at most 8 s); the count of retries is FASTSAFETENSORS_REMOTE_RETRIES."""
+    ref = reference(local_models / "single" / "all.safetensors")
+    with FaultProxy(http_server.server_address[1]) as proxy:
+        url = f"{proxy.url}/single/all.safetensors"
+        proxy.fail_next = 5
+        U.assert_same_dict(fst.load_file(url), ref)
+        assert proxy.failed == 5
+        gaps = [b - a for a, b in zip(proxy.failed_at, proxy.failed_at[1:])]
+        for gap, want in zip(gaps, [0.1, 0.2, 0.4, 0.8]):
+            assert want <= gap < want + 0.3, gaps
+        monkeypatch.setenv("FASTSAFETENSORS_REMOTE_RETRIES", "3")
+        proxy.fail_next, proxy.failed_at = 100, []
+        start = time.monotonic()
+        with pytest.raises(RuntimeError) as e:
+            fst.load_file(url)
+        took = time.monotonic() - start
+        assert len(proxy.failed_at) == 4 and 0.7 <= took < 2.5, (proxy.failed_at, took)
+        assert "503 Service Unavailable" in str(e.value) and "after 3 retries over 0." in str(e.value), e.value
+        proxy.fail_next = 0
