@@ -1,0 +1,115 @@
+"""The exceptions of the Python API, made from the ops' errors.
+
+The torch ops raise RuntimeError (what TorchScript and C++ see). The Python API raises, with
+the same one-line message:
+
+- ValueError for an argument the op refused ("invalid argument: ..."), as Python's own
+  argument checks do;
+- the OSError subclass of the operating system's error (FileNotFoundError, PermissionError,
+  IsADirectoryError, ...) with `errno`, `strerror` and `filename` set, where a system call on a
+  file failed: what `open()` and safetensors raise. It is a RuntimeError as well, so code
+  written for the earlier RuntimeError still catches it;
+- `SafetensorError` for every other loader error (a malformed file, a file that changed, ...):
+  a RuntimeError, and a subclass of `safetensors.SafetensorError` when safetensors is
+  installed, so that code catching that keeps working.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import functools
+import re
+from typing import Callable, Dict, Optional, Tuple, Type, TypeVar
+
+try:  # the peer's exception, so that `except safetensors.SafetensorError` catches ours too
+    from safetensors import SafetensorError as _PeerError
+
+    _PEER: Tuple[type, ...] = (_PeerError,)
+except ImportError:
+    _PEER = ()
+
+__all__ = ["InvalidBackendError", "NoSuchTensorError", "SafetensorError", "from_op", "mapped_errors", "os_error"]
+
+INVALID_ARGUMENT = "invalid argument: "
+
+
+class SafetensorError(RuntimeError, *_PEER):  # type: ignore[misc]
+    """A loader error: the file breaks the format, changed while loading, a handle is
+    closed, ... A RuntimeError, and a `safetensors.SafetensorError` when safetensors is
+    installed."""
+
+
+class InvalidBackendError(ValueError, SafetensorError):
+    """A `backend=` safetensors does not know either (it raises SafetensorError there)."""
+
+
+class NoSuchTensorError(KeyError, SafetensorError):
+    """A tensor name the file does not hold: a KeyError, as a dict lookup raises, and a
+    SafetensorError, as safetensors raises."""
+
+    def __str__(self) -> str:  # the message, not KeyError's repr of it
+        return str(self.args[0]) if self.args else ""
+
+
+# "PATH: OP failed: DESCRIPTION (os error N)": rust/error.rs `Error::Io` around an
+# std::io::Error from a system call (only those end with their errno). OP is one of a fixed
+# set of verbs; PATH may hold anything, so the last " OP failed: " is the one.
+_IO_ERROR = re.compile(r"^(?P<path>.*): (?P<op>[a-z][a-z ()_]*) failed: (?P<strerror>.*) \(os error (?P<errno>\d+)\)$",
+                       re.DOTALL)
+
+_os_error_types: Dict[type, type] = {}
+
+
+def _os_error_type(base: Type[OSError]) -> type:
+    """`base` (FileNotFoundError, ...) that is also a RuntimeError and prints its message as
+    the loader wrote it."""
+    found = _os_error_types.get(base)
+    if found is None:
+        found = type(base.__name__, (base, RuntimeError), {
+            "__module__": __name__,
+            "__doc__": f"{base.__name__} from the loader (also a RuntimeError); str() is its one-line message.",
+            "__str__": lambda self: self.message,
+            "__reduce__": lambda self: (os_error, (self.errno, self.strerror, self.filename, self.message)),
+        })
+        _os_error_types[base] = found
+    return found
+
+
+def os_error(code: int, strerror: str, filename: Optional[str], message: str) -> OSError:
+    """The OSError subclass Python raises for errno `code` (as `OSError(code, ...)` picks it),
+    with `errno`, `strerror` and `filename` set and `message` as its text."""
+    base = type(OSError(code, strerror))
+    error = _os_error_type(base)(code, strerror, filename)
+    error.message = message
+    return error
+
+
+def from_op(message: str) -> Exception:
+    """The exception for an op's RuntimeError with this message."""
+    if message.startswith(INVALID_ARGUMENT):
+        return ValueError(message[len(INVALID_ARGUMENT):])
+    io = _IO_ERROR.match(message)
+    if io is not None and "\n" not in message:
+        code = int(io["errno"])
+        if code in _errno.errorcode:
+            return os_error(code, io["strerror"], io["path"], message)
+    return SafetensorError(message)
+
+
+F = TypeVar("F", bound=Callable)
+
+
+def mapped_errors(function: F) -> F:
+    """Raises the op's errors that `function` lets through as `from_op` maps them; errors
+    already mapped, and the package's own, pass unchanged."""
+
+    @functools.wraps(function)
+    def mapped(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except RuntimeError as e:
+            if isinstance(e, (SafetensorError, OSError)) or type(e) is not RuntimeError:
+                raise
+            raise from_op(str(e)) from None
+
+    return mapped  # type: ignore[return-value]
