@@ -7,8 +7,10 @@ the same one-line message:
   argument checks do;
 - the OSError subclass of the operating system's error (FileNotFoundError, PermissionError,
   IsADirectoryError, ...) with `errno`, `strerror` and `filename` set, where a system call on a
-  file failed: what `open()` and safetensors raise. It is a RuntimeError as well, so code
-  written for the earlier RuntimeError still catches it;
+  file failed: what `open()` and safetensors raise. Likewise IsADirectoryError for a
+  directory where one file is read, and FileNotFoundError for an object URL with nothing
+  behind it (HTTP 404). It is a RuntimeError as well, so code written for the earlier
+  RuntimeError still catches it;
 - `SafetensorError` for every other loader error (a malformed file, a file that changed, ...):
   a RuntimeError, and a subclass of `safetensors.SafetensorError` when safetensors is
   installed, so that code catching that keeps working.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import errno as _errno
 import functools
+import os
 import re
 from typing import Callable, Dict, Optional, Tuple, Type, TypeVar
 
@@ -28,7 +31,8 @@ try:  # the peer's exception, so that `except safetensors.SafetensorError` catch
 except ImportError:
     _PEER = ()
 
-__all__ = ["InvalidBackendError", "NoSuchTensorError", "SafetensorError", "from_op", "mapped_errors", "os_error"]
+__all__ = ["InvalidBackendError", "NoSuchTensorError", "SafetensorError", "from_op", "mapped_errors", "os_error",
+           "reraise"]
 
 INVALID_ARGUMENT = "invalid argument: "
 
@@ -56,6 +60,14 @@ class NoSuchTensorError(KeyError, SafetensorError):
 # set of verbs; PATH may hold anything, so the last " OP failed: " is the one.
 _IO_ERROR = re.compile(r"^(?P<path>.*): (?P<op>[a-z][a-z ()_]*) failed: (?P<strerror>.*) \(os error (?P<errno>\d+)\)$",
                        re.DOTALL)
+
+# Errors that are not a system call's but mean what an errno means, by their fixed wording in
+# rust/error.rs: a directory given where one file is read (`IsDirectory`, which open(2) would
+# not refuse), an object URL with nothing behind it (`RemoteNotFound`).
+_LIKE_AN_ERRNO = (
+    (re.compile(r"^(?P<path>.*): is a directory, but ", re.DOTALL), _errno.EISDIR),
+    (re.compile(r"^(?P<path>.*): no such [a-z]+ \(HTTP 404\)", re.DOTALL), _errno.ENOENT),
+)
 
 _os_error_types: Dict[type, type] = {}
 
@@ -88,12 +100,26 @@ def from_op(message: str) -> Exception:
     """The exception for an op's RuntimeError with this message."""
     if message.startswith(INVALID_ARGUMENT):
         return ValueError(message[len(INVALID_ARGUMENT):])
+    if "\n" in message:  # one of the loader's one-line messages, nothing else
+        return SafetensorError(message)
     io = _IO_ERROR.match(message)
-    if io is not None and "\n" not in message:
+    if io is not None:
         code = int(io["errno"])
         if code in _errno.errorcode:
             return os_error(code, io["strerror"], io["path"], message)
+    for pattern, code in _LIKE_AN_ERRNO:
+        found = pattern.match(message)
+        if found is not None:
+            return os_error(code, os.strerror(code), found["path"], message)
     return SafetensorError(message)
+
+
+def reraise(error: RuntimeError) -> None:
+    """Raises an op's RuntimeError as `from_op` maps it; errors already mapped, and those
+    of other types (torch's subclasses of RuntimeError), as they are."""
+    if type(error) is not RuntimeError:
+        raise error
+    raise from_op(str(error)) from None
 
 
 F = TypeVar("F", bound=Callable)
@@ -108,8 +134,6 @@ def mapped_errors(function: F) -> F:
         try:
             return function(*args, **kwargs)
         except RuntimeError as e:
-            if isinstance(e, (SafetensorError, OSError)) or type(e) is not RuntimeError:
-                raise
-            raise from_op(str(e)) from None
+            reraise(e)
 
     return mapped  # type: ignore[return-value]

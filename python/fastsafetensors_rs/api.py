@@ -32,7 +32,8 @@ import torch
 
 from . import _ops, distributed
 from ._dtypes import cast_dtype
-from ._errors import INVALID_ARGUMENT, InvalidBackendError, SafetensorError, NoSuchTensorError, from_op, mapped_errors
+from ._errors import (INVALID_ARGUMENT, InvalidBackendError, NoSuchTensorError, SafetensorError, from_op, mapped_errors,
+                      reraise)
 from ._logging import level_from_env, redact
 from ._ops import checkpoint_files, ops
 from .progress import progress_from_env
@@ -455,7 +456,7 @@ def load_bytes(
 def _anonymous_file(data: memoryview) -> Iterator[str]:
     """A path to a file in memory holding `data`, removed on exit (what was mapped from it
     stays): the loader reads paths, and the bytes must be checked as a file's are."""
-    if hasattr(os, "memfd_create"):
+    if hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"):
         fd = os.memfd_create("fastsafetensors_rs-bytes", os.MFD_CLOEXEC)
         path = f"/proc/self/fd/{fd}"
     else:
@@ -555,10 +556,12 @@ class TensorIterator:
     def __iter__(self) -> "TensorIterator":
         return self
 
-    @mapped_errors
     def __next__(self) -> Tuple[str, torch.Tensor]:
         with self._lock:
-            return self._take()
+            try:
+                return self._take()
+            except RuntimeError as e:  # inline, not a decorator: this runs once per tensor
+                reraise(e)
 
     def _take(self) -> Tuple[str, torch.Tensor]:
         while self._next == len(self._names):

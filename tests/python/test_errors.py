@@ -493,6 +493,30 @@ def test_each_errno_gives_the_oserror_subclass_python_gives(code, error):
     assert (type(again), again.errno, again.filename, str(again)) == (type(e), code, e.filename, message)
 
 
+@pytest.mark.parametrize("entry", ["safe_open", "fastsafe_open", "SafeTensorsFileLoader"])
+def test_a_directory_where_one_file_is_read_is_a_directory_error(tmp_path, entry):
+    import errno
+
+    path = tmp_path / "a_directory.safetensors"
+    path.mkdir()
+    with pytest.raises(IsADirectoryError) as info:
+        _os_error_entry_points()[entry](str(path))
+    assert (info.value.errno, info.value.filename) == (errno.EISDIR, str(path))
+    assert str(info.value).startswith(f"{path}: is a directory, but safe_open")
+
+
+def test_an_object_url_with_nothing_behind_it_is_file_not_found():
+    import errno
+
+    from fastsafetensors_rs._errors import from_op
+
+    message = ("s3://bucket/model.safetensors: no such object (HTTP 404): check the URL, and that the object "
+               "was uploaded")
+    e = from_op(message)
+    assert isinstance(e, FileNotFoundError) and isinstance(e, RuntimeError)
+    assert (e.errno, e.filename, str(e)) == (errno.ENOENT, "s3://bucket/model.safetensors", message)
+
+
 def test_errors_without_an_errno_stay_loader_errors():
     from fastsafetensors_rs._errors import SafetensorError, from_op
 
