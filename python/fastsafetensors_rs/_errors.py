@@ -57,16 +57,16 @@ class NoSuchTensorError(KeyError, SafetensorError):
 
 # "PATH: OP failed: DESCRIPTION (os error N)": rust/error.rs `Error::Io` around an
 # std::io::Error from a system call (only those end with their errno). OP is one of a fixed
-# set of verbs; PATH may hold anything, so the last " OP failed: " is the one.
-_IO_ERROR = re.compile(r"^(?P<path>.*): (?P<op>[a-z][a-z ()_]*) failed: (?P<strerror>.*) \(os error (?P<errno>\d+)\)$",
-                       re.DOTALL)
+# set of verbs; PATH may hold anything, so the last " OP failed: " is the one. Every pattern
+# here matches one line only.
+_IO_ERROR = re.compile(r"^(?P<path>.*): (?P<op>[a-z][a-z ()_]*) failed: (?P<strerror>.*) \(os error (?P<errno>\d+)\)$")
 
 # Errors that are not a system call's but mean what an errno means, by their fixed wording in
 # rust/error.rs: a directory given where one file is read (`IsDirectory`, which open(2) would
 # not refuse), an object URL with nothing behind it (`RemoteNotFound`).
 _LIKE_AN_ERRNO = (
-    (re.compile(r"^(?P<path>.*): is a directory, but ", re.DOTALL), _errno.EISDIR),
-    (re.compile(r"^(?P<path>.*): no such [a-z]+ \(HTTP 404\)", re.DOTALL), _errno.ENOENT),
+    (re.compile(r"^(?P<path>.*): is a directory, but .*$"), _errno.EISDIR),
+    (re.compile(r"^(?P<path>.*): no such [a-z]+ \(HTTP 404\).*$"), _errno.ENOENT),
 )
 
 _os_error_types: Dict[type, type] = {}
@@ -100,8 +100,6 @@ def from_op(message: str) -> Exception:
     """The exception for an op's RuntimeError with this message."""
     if message.startswith(INVALID_ARGUMENT):
         return ValueError(message[len(INVALID_ARGUMENT):])
-    if "\n" in message:  # one of the loader's one-line messages, nothing else
-        return SafetensorError(message)
     io = _IO_ERROR.match(message)
     if io is not None:
         code = int(io["errno"])
@@ -126,8 +124,8 @@ F = TypeVar("F", bound=Callable)
 
 
 def mapped_errors(function: F) -> F:
-    """Raises the op's errors that `function` lets through as `from_op` maps them; errors
-    already mapped, and the package's own, pass unchanged."""
+    """Raises the RuntimeErrors that `function` lets through (the ops') as `from_op` maps
+    them; exceptions of every other type, those already mapped included, pass unchanged."""
 
     @functools.wraps(function)
     def mapped(*args, **kwargs):

@@ -20,7 +20,6 @@ headers and selects exactly the names it returns true for.
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import logging
 import os
@@ -143,7 +142,7 @@ def _path(path: PathLike) -> str:
         raise ValueError(_NOT_A_PATH.format(len(path)))
     path = os.fsdecode(path)
     if "\0" in path:
-        shown = path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace").replace("\0", "\\x00")
+        shown = os.fsencode(path).decode("utf-8", "backslashreplace").replace("\0", "\\x00")
         raise ValueError(f"{shown}: a path cannot hold a NUL character (\\x00), and no file is named so")
     try:
         path.encode("utf-8")
