@@ -31,7 +31,7 @@ try:  # the peer's exception, so that `except safetensors.SafetensorError` catch
 except ImportError:
     _PEER = ()
 
-__all__ = ["InvalidBackendError", "NoSuchTensorError", "SafetensorError", "from_op", "mapped_errors", "os_error",
+__all__ = ["InvalidBackendError", "SafetensorError", "TensorKeyError", "from_op", "mapped_errors", "os_error",
            "reraise"]
 
 INVALID_ARGUMENT = "invalid argument: "
@@ -47,7 +47,7 @@ class InvalidBackendError(ValueError, SafetensorError):
     """A `backend=` safetensors does not know either (it raises SafetensorError there)."""
 
 
-class NoSuchTensorError(KeyError, SafetensorError):
+class TensorKeyError(KeyError, SafetensorError):
     """A tensor name the file does not hold: a KeyError, as a dict lookup raises, and a
     SafetensorError, as safetensors raises."""
 

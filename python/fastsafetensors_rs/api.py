@@ -31,7 +31,7 @@ import torch
 
 from . import _ops, distributed
 from ._dtypes import cast_dtype
-from ._errors import (INVALID_ARGUMENT, InvalidBackendError, NoSuchTensorError, SafetensorError, from_op, mapped_errors,
+from ._errors import (INVALID_ARGUMENT, InvalidBackendError, SafetensorError, TensorKeyError, from_op, mapped_errors,
                       reraise)
 from ._logging import level_from_env, redact
 from ._ops import checkpoint_files, ops
@@ -777,7 +777,7 @@ class safe_open:
         self._check_open()
         if name not in self._selected:
             why = "not selected by tensor_filter" if name in self._dtypes else "no tensor named"
-            raise NoSuchTensorError(f"{self._path}: {why} '{name}'")
+            raise TensorKeyError(f"{self._path}: {why} '{name}'")
 
     def _check_open(self) -> None:
         if self._closed:
