@@ -43,6 +43,9 @@ class SafetensorError(RuntimeError, *_PEER):  # type: ignore[misc]
     installed."""
 
 
+SafetensorError.__module__ = "fastsafetensors_rs"  # where users find it (and pickle does)
+
+
 class InvalidBackendError(ValueError, SafetensorError):
     """A `backend=` safetensors does not know either (it raises SafetensorError there)."""
 
