@@ -13,7 +13,8 @@ import importlib
 from . import _fake, _logging
 from ._logging import enable_logging
 from ._ops import LIBRARY_PATH, ops
-from .api import load, load_file, release_staging_buffers, safe_open, stream
+from ._errors import SafetensorError
+from .api import load, load_bytes, load_file, release_staging_buffers, safe_open, stream
 from .distributed import node_group
 
 __version__ = "0.1.0"
@@ -38,8 +39,8 @@ _LAZY = {
 _SUBMODULES = {"cli", "compat", "distributed", "integrations", "loader", "parallel_loader", "progress", "transformers_patch",
                "vllm_plugin", "weights"}
 
-__all__ = ["LIBRARY_PATH", "enable_logging", "load", "load_file", "node_group", "ops", "release_staging_buffers", "safe_open",
-           "stream", "__version__", *_LAZY]
+__all__ = ["LIBRARY_PATH", "SafetensorError", "enable_logging", "load", "load_bytes", "load_file", "node_group", "ops",
+           "release_staging_buffers", "safe_open", "stream", "__version__", *_LAZY]
 
 # What importing the integrations did eagerly, kept eager: FASTSAFETENSORS_LOG is applied and
 # the fake kernel (torch.compile / FakeTensorMode) is registered with the ops.

@@ -20,7 +20,6 @@ headers and selects exactly the names it returns true for.
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import logging
 import os
@@ -32,6 +31,8 @@ import torch
 
 from . import _ops, distributed
 from ._dtypes import cast_dtype
+from ._errors import (INVALID_ARGUMENT, InvalidBackendError, SafetensorError, TensorKeyError, from_op, mapped_errors,
+                      reraise)
 from ._logging import level_from_env, redact
 from ._ops import checkpoint_files, ops
 from .progress import progress_from_env
@@ -44,7 +45,7 @@ Device = Union[str, int, torch.device]
 TensorFilter = Union[None, str, Iterable[str], Callable[[str], bool]]
 ProcessGroup = Any  # a torch.distributed ProcessGroup
 
-__all__ = ["load", "load_file", "release_staging_buffers", "safe_open", "stream"]
+__all__ = ["SafetensorError", "load", "load_bytes", "load_file", "release_staging_buffers", "safe_open", "stream"]
 
 MATCH_MODES = ("glob", "regex", "exact")
 READERS = ("auto", "direct", "mmap")
@@ -89,25 +90,28 @@ def _nogds(nogds: Optional[bool]) -> Optional[bool]:
     return nogds
 
 
-_INVALID_ARGUMENT = "invalid argument: "
+# safetensors 0.8's `backend=` values, each with the reader that reads the same way: "mmap"
+# maps the file, "pread" reads the bytes into memory of their own (here with parallel
+# O_DIRECT preads, buffered where the file system has no O_DIRECT).
+BACKENDS = {"mmap": "mmap", "pread": "direct"}
 
 
-def _argument_errors(function):
-    """Raises the op's own refusals of an argument (a `max_memory` size, a regex pattern, a
-    row range), which reach Python as RuntimeError("invalid argument: ..."), as ValueError:
-    what Python's own argument checks raise. Errors about files stay as they are."""
-
-    @functools.wraps(function)
-    def checked(*args, **kwargs):
-        try:
-            return function(*args, **kwargs)
-        except RuntimeError as e:
-            message = str(e)
-            if not message.startswith(_INVALID_ARGUMENT):
-                raise
-            raise ValueError(message[len(_INVALID_ARGUMENT):]) from None
-
-    return checked
+def _reader_or_backend(reader: Optional[str], backend: Optional[str]) -> Optional[str]:
+    """The reader for `reader=` and safetensors' `backend=` (None: not given), which must not
+    disagree. An unknown backend is refused as safetensors refuses it (SafetensorError, also
+    a ValueError here)."""
+    reader = _reader(reader)
+    if backend is None:
+        return reader
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string or None, not {type(backend).__name__}")
+    chosen = BACKENDS.get(backend)
+    if chosen is None:
+        raise InvalidBackendError(f'backend "{backend}" is invalid (expected one of: "mmap", "pread"; '
+                                  "this package's own readers are reader='auto', 'direct' or 'mmap')")
+    if reader is not None and reader != chosen:
+        raise ValueError(f"reader={reader!r} and backend={backend!r} (reader={chosen!r}) disagree: pass one of them")
+    return chosen
 
 
 def check_settings() -> None:
@@ -133,8 +137,14 @@ def is_url(path: PathLike) -> bool:
 
 def _path(path: PathLike) -> str:
     """One path argument as the ops take it: a str (bytes and os.PathLike decoded as
-    `os.fsdecode` does), which must be UTF-8: ValueError naming any other, in one line."""
+    `os.fsdecode` does), which must be UTF-8 and hold no NUL: ValueError naming any other,
+    whole, in one line."""
+    if isinstance(path, bytes) and b"\0" in path:
+        raise ValueError(_NOT_A_PATH.format(len(path)))
     path = os.fsdecode(path)
+    if "\0" in path:
+        shown = os.fsencode(path).decode("utf-8", "backslashreplace").replace("\0", "\\x00")
+        raise ValueError(f"{shown}: a path cannot hold a NUL character (\\x00), and no file is named so")
     try:
         path.encode("utf-8")
     except UnicodeEncodeError:
@@ -142,6 +152,12 @@ def _path(path: PathLike) -> str:
         raise ValueError(f"{shown}: the path is not UTF-8, and fastsafetensors_rs takes UTF-8 paths only: "
                          "rename the file, or link to it under a UTF-8 name") from None
     return path
+
+
+# Bytes with a NUL are never a path (no file name holds one) and always serialized
+# safetensors data (its first 8 bytes, the header's length, hold NULs for any length < 2**56).
+_NOT_A_PATH = ("got {} bytes holding a NUL byte where a path goes, and no path holds one: serialized safetensors "
+               "data (what safetensors.torch.load takes) loads with fastsafetensors_rs.load(data) or load_bytes(data)")
 
 
 def _paths(files: Union[PathLike, Iterable[PathLike]]) -> List[str]:
@@ -178,8 +194,8 @@ def _check_size(text: str) -> None:
     try:
         _ops.open_stream([], "cpu", None, None, None, "glob", text)
     except RuntimeError as e:
-        if str(e).startswith(_INVALID_ARGUMENT):
-            raise ValueError(str(e)[len(_INVALID_ARGUMENT):]) from None
+        if str(e).startswith(INVALID_ARGUMENT):
+            raise ValueError(str(e)[len(INVALID_ARGUMENT):]) from None
 
 
 def _max_memory(max_memory: Union[None, int, str]) -> Optional[str]:
@@ -249,7 +265,7 @@ def _nothing_selected(patterns: Optional[List[str]], mode: str, count: int, path
 # ------------------------------------------------------------------ batch loads
 
 
-@_argument_errors
+@mapped_errors
 def load(
     files: Union[PathLike, Iterable[PathLike]],
     device: Device = "cpu",
@@ -266,7 +282,10 @@ def load(
     """Loads every tensor (or the selected ones) of one or more files into one dict.
 
     Args:
-        files: a path or several; tensor names must be unique across them. A path is a
+        files: a path or several; tensor names must be unique across them. Serialized
+            safetensors data instead (`bytes` holding a NUL, which no path does, or a
+            bytearray / memoryview) loads as `load_bytes(files)` does, what
+            `safetensors.torch.load(data)` does. A path is a
             `.safetensors` file, a checkpoint directory (the shards its
             `*.safetensors.index.json` lists, or without an index every `*.safetensors` in
             it), or an index file (`*.json`); shards are checked against their index.
@@ -303,6 +322,14 @@ def load(
     tensor into it is gone. With the "auto" reader, files whose direct reads would not fit in
     host memory are mapped instead (logged at INFO), so a load larger than memory succeeds.
     """
+    if _is_serialized(files):
+        given = [name for name, value in (("reader", reader), ("nogds", nogds), ("process_group", process_group),
+                                          ("shard", shard), ("cache_dir", cache_dir)) if value is not None]
+        if given:
+            raise ValueError(f"load(data) of serialized bytes takes device, dtype and tensor_filter only, "
+                             f"not {', '.join(given)} (they apply to files)")
+        return load_bytes(files, device, dtype, tensor_filter=tensor_filter,
+                          tensor_name_match_mode=tensor_name_match_mode)
     reader, nogds = _reader(reader), _nogds(nogds)
     check_settings()
     paths = _paths(files)
@@ -434,12 +461,72 @@ def load_file(
     process_group: Optional[ProcessGroup] = None,
     shard: Optional[Mapping[str, int]] = None,
     cache_dir: Optional[PathLike] = None,
+    backend: Optional[str] = None,
 ) -> Dict[str, torch.Tensor]:
     """Loads one file (or a checkpoint directory or index), like
-    `safetensors.torch.load_file`. See `load` for the arguments."""
+    `safetensors.torch.load_file`. See `load` for the arguments; `backend`: safetensors
+    0.8's name for the reader, "mmap" (reader "mmap") or "pread" (reader "direct"); None
+    leaves the choice to `reader`."""
+    reader = _reader_or_backend(reader, backend)
     return load([filename], device=device, dtype=dtype, reader=reader, nogds=nogds, tensor_filter=tensor_filter,
                 tensor_name_match_mode=tensor_name_match_mode, process_group=process_group, shard=shard,
                 cache_dir=cache_dir)
+
+
+def _is_serialized(files: Any) -> bool:
+    """Whether `files` is serialized safetensors data rather than paths (see `_NOT_A_PATH`)."""
+    return isinstance(files, (bytearray, memoryview)) or (isinstance(files, bytes) and b"\0" in files)
+
+
+@mapped_errors
+def load_bytes(
+    data: Union[bytes, bytearray, memoryview],
+    device: Device = "cpu",
+    dtype: Union[torch.dtype, str, None] = None,
+    *,
+    tensor_filter: TensorFilter = None,
+    tensor_name_match_mode: str = "glob",
+) -> Dict[str, torch.Tensor]:
+    """Loads the tensors of serialized safetensors data (the bytes of a `.safetensors` file,
+    what `safetensors.torch.save` returns), like `safetensors.torch.load(data)`. The data
+    is checked by the same rules as a file; errors name it `<bytes>`. The tensors own their
+    memory: `data` can be dropped or changed afterwards. Arguments as in `load`."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"load_bytes takes serialized safetensors data (bytes, bytearray or memoryview), not "
+                        f"{type(data).__name__}: load a file with load_file(path)")
+    view = memoryview(data).cast("B")
+    target, cast = _device_name(device), cast_dtype(dtype)
+    check_settings()
+    with _anonymous_file(view) as path:
+        patterns, mode = _filter_args(tensor_filter, tensor_name_match_mode, [path])
+        try:
+            # Mapped: the bytes are in memory already, and the tensors keep the mapping alive.
+            out = _load([path], target, cast, "mmap", None, patterns, mode)
+        except RuntimeError as e:
+            raise from_op(str(e).replace(path, "<bytes>")) from None
+    _nothing_selected(patterns, mode, len(out), ["<bytes>"])
+    return out
+
+
+@contextlib.contextmanager
+def _anonymous_file(data: memoryview) -> Iterator[str]:
+    """A path to a file in memory holding `data`, removed on exit (what was mapped from it
+    stays): the loader reads paths, and the bytes must be checked as a file's are."""
+    if hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"):
+        fd = os.memfd_create("fastsafetensors_rs-bytes", os.MFD_CLOEXEC)
+        path = f"/proc/self/fd/{fd}"
+    else:
+        import tempfile
+
+        fd, path = tempfile.mkstemp(suffix=".safetensors")
+    try:
+        with open(fd, "wb", closefd=False) as f:
+            f.write(data)
+        yield path
+    finally:
+        os.close(fd)
+        if not path.startswith("/proc/"):
+            os.unlink(path)
 
 
 def release_staging_buffers() -> int:
@@ -453,7 +540,7 @@ def release_staging_buffers() -> int:
 # ------------------------------------------------------------------ streaming
 
 
-@_argument_errors
+@mapped_errors
 def stream(
     files: Union[PathLike, Iterable[PathLike]],
     device: Device = "cpu",
@@ -527,7 +614,10 @@ class TensorIterator:
 
     def __next__(self) -> Tuple[str, torch.Tensor]:
         with self._lock:
-            return self._take()
+            try:
+                return self._take()
+            except RuntimeError as e:  # inline, not a decorator: this runs once per tensor
+                reraise(e)
 
     def _take(self) -> Tuple[str, torch.Tensor]:
         while self._next == len(self._names):
@@ -578,8 +668,9 @@ class TensorIterator:
 class safe_open:
     """Opens one or several `.safetensors` files: reads their headers now, tensor data on demand.
 
-    Mirrors `safetensors.safe_open` for one file (`keys()`, `metadata()`, `get_tensor()`,
-    `get_slice()`, usable as a context manager) and adds:
+    Mirrors `safetensors.safe_open` for one file (`keys()`, `offset_keys()`, `metadata()`,
+    `get_tensor()`, `get_tensors()`, `get_slice()`, usable as a context manager; `backend=`
+    as in `load_file`) and adds:
 
     - `tensors()`: every selected tensor, streamed in read order while later reads go on;
     - several files at once (`safe_open([a, b, c])`), as one set of names;
@@ -598,12 +689,14 @@ class safe_open:
     returns as soon as `name` has arrived (reading the rest of the file goes on in the
     background); later calls find their tensors read or arriving. `get_slice(name)[a:b]` on a
     tensor not read yet reads only rows `[a, b)` from the file. Tensors stay valid after
-    `close()`; the handle keeps what `get_tensor` read until it is closed. With several files,
+    `close()`; the handle keeps what `get_tensor` read until it is closed. Once it is closed
+    (`close()`, the end of its `with` block), every method raises `SafetensorError` ("the
+    safe_open handle is closed"), as safetensors' does. With several files,
     `metadata()` is the first file's. Each path is one `.safetensors` file: a directory or an
     index is refused (load those with `load_file`). `cache_dir`: as in `load`.
     """
 
-    @_argument_errors
+    @mapped_errors
     def __init__(
         self,
         filename: Union[PathLike, Sequence[PathLike]],
@@ -615,6 +708,8 @@ class safe_open:
         reader: Optional[str] = None,
         nogds: Optional[bool] = None,
         cache_dir: Optional[PathLike] = None,
+        *,
+        backend: Optional[str] = None,
     ):
         if framework not in ("pt", "torch", "pytorch"):
             raise ValueError(f"framework {framework!r} is not supported: only 'pt' (PyTorch)")
@@ -622,7 +717,7 @@ class safe_open:
         # How messages name the files (URLs without their credentials).
         self._path = redact(self._paths[0] if len(self._paths) == 1 else ", ".join(self._paths))
         self._device = _device_name(device)
-        self._reader = _reader(reader)
+        self._reader = _reader_or_backend(reader, backend)
         self._nogds = _nogds(nogds)
         self._max_memory = _max_memory(max_memory)
         if not callable(tensor_filter):  # the arguments are checked before any file is opened
@@ -686,21 +781,36 @@ class safe_open:
             self.close()
 
     def keys(self) -> List[str]:
+        self._check_open()
         return sorted(self._offset_keys)
 
     def offset_keys(self) -> List[str]:
         """Names in the order of their data in the files (the order `tensors()` yields them)."""
+        self._check_open()
         return list(self._offset_keys)
 
     def metadata(self) -> Optional[Dict[str, str]]:
+        self._check_open()
         return None if self._metadata is None else dict(self._metadata)
 
-    @_argument_errors
+    @mapped_errors
     def get_tensor(self, name: str) -> torch.Tensor:
         """The tensor `name`; repeated calls return the same tensor (clone it before writing
         if that matters)."""
         self._check(name)
         return self._reader_for(name).get(name)
+
+    @mapped_errors
+    def get_tensors(self) -> Dict[str, torch.Tensor]:
+        """Every selected tensor, `{name: tensor}` in the order of `offset_keys()`, as
+        safetensors 0.8's `get_tensors()` (and its `load_file`, which is this) gives them: one
+        bulk load of the files the handle holds, as `load_file` reads them. The tensors are the
+        caller's alone: the handle does not keep them, and `get_tensor` reads on its own."""
+        self._check_open()
+        check_settings()  # as every load does
+        loaded = _load(self._paths, self._device, None, self._reader, self._nogds, self._patterns, self._mode,
+                       self._handle)
+        return {name: loaded[name] for name in self._offset_keys}
 
     def get_slice(self, name: str) -> "TensorSlice":
         self._check(name)
@@ -721,13 +831,14 @@ class safe_open:
                                                self._mode, self._max_memory, self._handle))
 
     def _check(self, name: str) -> None:
+        self._check_open()
         if name not in self._selected:
             why = "not selected by tensor_filter" if name in self._dtypes else "no tensor named"
-            raise KeyError(f"{self._path}: {why} '{name}'")
+            raise TensorKeyError(f"{self._path}: {why} '{name}'")
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError(f"{self._path}: the safe_open handle is closed")
+            raise SafetensorError(f"{self._path}: the safe_open handle is closed")
 
     def _reader_for(self, name: str) -> "_FileReader":
         index = self._file_of[name]
@@ -817,7 +928,7 @@ class TensorSlice:
         """The safetensors dtype name, e.g. "BF16" or "F8_E4M3"."""
         return self._handle._dtypes[self._name]
 
-    @_argument_errors
+    @mapped_errors
     def __getitem__(self, index) -> torch.Tensor:
         h = self._handle
         rows = None if self.get_dtype() == "F4" and len(self.get_shape()) < 2 else _rows(index, self.get_shape())

@@ -81,7 +81,7 @@ def test_single_group_returns_every_tensor_whole(all_dtypes_file, pg):
             U.assert_same_tensor(fb.get_sharded(name, 1), t, name)
         U.assert_same_tensor(fb.get_sharded(name, -1), t, name)
     got = fb.as_dict({name: -1 for name in written})
-    U.assert_same_dict(got, written)
+    U.assert_same_dict({name: t.get_raw() for name, t in got.items()}, written)
     fb.close()
     loader.close()
 
@@ -109,8 +109,8 @@ def test_get_multi_cols_concatenates(tmp_path):
     q, k, v = (U.finite_tensor(torch.bfloat16, (n, 8), i) for i, n in enumerate((12, 4, 4)))
     path = U.write_checkpoint(tmp_path / "qkv.safetensors", {"q": q, "k": k, "v": v})
     loader, fb = open_buffer([path])
-    U.assert_same_tensor(fb.get_multi_cols(["q", "k", "v"], 0), torch.cat([q, k, v]))
-    U.assert_same_tensor(fb.get_multi_cols(["k", "v"], 1), torch.cat([k, v], 1))
+    U.assert_same_tensor(fb.get_multi_cols(["q", "k", "v"], 0).get_raw(), torch.cat([q, k, v]))
+    U.assert_same_tensor(fb.get_multi_cols(["k", "v"], 1).get_raw(), torch.cat([k, v], 1))
     with pytest.raises(ValueError, match="'q'.*'k'|'k'.*'q'"):
         fb.get_multi_cols(["k", "q"], 1)  # differ outside dim 1
 
@@ -119,7 +119,7 @@ def test_multi_cols_of_dtypes_without_a_cat_kernel(tmp_path):
     a, b = U.random_tensor(torch.float4_e2m1fn_x2, (3, 2), 1), U.random_tensor(torch.float4_e2m1fn_x2, (1, 2), 2)
     path = U.write_checkpoint(tmp_path / "f4.safetensors", {"a": a, "b": b})
     loader, fb = open_buffer([path])
-    got = fb.get_multi_cols(["a", "b"], 0)
+    got = fb.get_multi_cols(["a", "b"], 0).get_raw()
     assert got.dtype == torch.float4_e2m1fn_x2
     assert torch.equal(U.as_bytes(got), torch.cat([U.as_bytes(a), U.as_bytes(b)]))
 
@@ -380,7 +380,7 @@ def test_options_of_the_original_are_accepted(medium_file):
     )
     loader.add_filenames({0: [path]})
     fb = loader.copy_files_to_device(dtype=fst.DType.AUTO, use_buf_register=False, max_copy_block_size=1 << 20)
-    U.assert_same_dict(fb.as_dict({k: -1 for k in fb.keys()}), written)
+    U.assert_same_dict({k: t.get_raw() for k, t in fb.as_dict({k: -1 for k in fb.keys()}).items()}, written)
 
 
 def test_reset_and_reuse(multi_file_model):
@@ -447,3 +447,56 @@ def test_vllm_style_iterator_runs_unchanged(multi_file_model):
 
     got = dict(U.vllm_weights_iterator(hf_weights_files))
     U.assert_same_dict(got, {k: v for s in shards for k, v in s.items()})
+
+
+# ---------------------------------------------------------------- the original's tensor wrapper
+
+
+def test_what_returns_a_wrapper_and_what_returns_a_tensor(tmp_path):
+    """As in 0.3-0.5: get_multi_cols, as_dict and the *_wrapped getters return the wrapper
+    (TGIS unwraps with `.get_raw()`); get_tensor, get_sharded and push_tensor the tensor."""
+    q, k, v = (U.finite_tensor(torch.bfloat16, (n, 8), i) for i, n in enumerate((12, 4, 4)))
+    path = U.write_checkpoint(tmp_path / "qkv.safetensors", {"q": q, "k": k, "v": v})
+    loader, fb = open_buffer([path])
+    qkv = fb.get_multi_cols(["q", "k", "v"], dim=0)
+    assert isinstance(qkv, fst.compat.TorchTensor) and isinstance(qkv, fst.compat.TensorBase)
+    U.assert_same_tensor(qkv.get_raw(), torch.cat([q, k, v]))
+    got = fb.as_dict({"q": -1, "k": 0, "v": 1})
+    assert list(got) == ["q", "k", "v"]
+    for name, want in (("q", q), ("k", k), ("v", v)):
+        assert isinstance(got[name], fst.compat.TorchTensor)
+        U.assert_same_tensor(got[name].get_raw(), want)
+    U.assert_same_tensor(fb.get_tensor_wrapped("k").get_raw(), k)
+    U.assert_same_tensor(fb.get_sharded_wrapped("v", 1, dtype=fst.DType.F32).get_raw(), v.float())
+    for plain in (fb.get_tensor("q"), fb.get_sharded("q", 0), fb.push_tensor("q", 0)):
+        assert type(plain) is torch.Tensor
+    fb.close()
+    loader.close()
+
+
+def test_the_wrapper_offers_what_the_original_does(tmp_path):
+    a = U.finite_tensor(torch.float32, (4, 6), 1)
+    f4 = U.random_tensor(torch.float4_e2m1fn_x2, (2, 3), 2)
+    path = U.write_checkpoint(tmp_path / "w.safetensors", {"a": a, "f4": f4})
+    loader, fb = open_buffer([path])
+    w = fb.get_multi_cols(["a"], 0)
+    raw = w.get_raw()
+    assert (w.dtype, w.device, w.real_tensor) == (fst.DType.F32, torch.device("cpu"), raw)
+    assert w.get_shape() == [4, 6] and w.get_nbytes() == 96 and w.data_ptr() == raw.data_ptr()
+    assert w.to() is w and w.to(device="cpu", dtype=fst.DType.AUTO) is w, "nothing to change: itself"
+    half = w.to(dtype=fst.DType.F16)
+    assert (half.dtype, half.get_raw().dtype) == (fst.DType.F16, torch.float16)
+    assert torch.equal(half.get_raw(), a.half())
+    assert torch.equal(w[1:3].get_raw(), a[1:3]) and w[1:3].dtype == fst.DType.F32
+    assert torch.equal(w.view(fst.DType.I32).get_raw(), a.view(torch.int32))
+    assert torch.equal(w.reshape([6, 4]).get_raw(), a.reshape(6, 4))
+    assert torch.equal(w.detach().get_raw(), a) and torch.equal(w[:, 1].contiguous().get_raw(), a[:, 1])
+    copy = w.clone()
+    assert torch.equal(copy.get_raw(), a) and copy.data_ptr() != w.data_ptr()
+    buf = bytearray(96)
+    w.copy_to_buffer(memoryview(buf))
+    assert bytes(buf) == a.numpy().tobytes()
+    packed = fb.get_multi_cols(["f4"], 0)
+    assert packed.dtype == fst.DType.F4 and packed.get_shape() == [2, 6], "the header's shape, as the original"
+    fb.close()
+    loader.close()

@@ -265,12 +265,12 @@ class Worker:
         owners[self.world - 1].append(1)
         out = {}
         loader, fb = self.buffer(names, owners)
-        out["qkv_dim0"] = fb.get_multi_cols(["attn.q", "attn.k", "attn.v"], 0)
-        out["gate_up_dim1"] = fb.get_multi_cols(["mlp.gate", "mlp.up"], 1)
+        out["qkv_dim0"] = fb.get_multi_cols(["attn.q", "attn.k", "attn.v"], 0).get_raw()
+        out["gate_up_dim1"] = fb.get_multi_cols(["mlp.gate", "mlp.up"], 1).get_raw()
         fb.close()
         loader, fb = self.buffer(names, owners)
-        out["cross_dim0"] = fb.get_multi_cols(["attn.q", "x.k", "attn.v"], 0)
-        out["cross_dim1"] = fb.get_multi_cols(["mlp.up", "x.up"], 1)
+        out["cross_dim0"] = fb.get_multi_cols(["attn.q", "x.k", "attn.v"], 0).get_raw()
+        out["cross_dim1"] = fb.get_multi_cols(["mlp.up", "x.up"], 1).get_raw()
         fb.close()
         return out
 
@@ -294,7 +294,7 @@ class Worker:
             fb.close()
             calls["n"] = 0
             loader, fb = self.buffer([MANY], owners)
-            out["as_dict"] = fb.as_dict({n: -1 for n in fb.keys()})
+            out["as_dict"] = {n: t.get_raw() for n, t in fb.as_dict({n: -1 for n in fb.keys()}).items()}
             out["as_dict_broadcasts"] = calls["n"]
             fb.close()
         finally:
@@ -357,7 +357,7 @@ class Worker:
         out = {
             "shape": fb.get_shape(get_alias("attn.query.weight")),
             "qkv": fb.get_multi_cols([get_alias(n) for n in ("attn.query.weight", "attn.k", "attn.v")],
-                                     0, device=device, dtype=dtype),
+                                     0, device=device, dtype=dtype).get_raw(),  # as TGIS unwraps it
             "row": fb.get_sharded(get_alias("mlp.gate"), 1, device=device, dtype=dtype),
             "push": fb.push_tensor(get_alias("x.up"), 0, device=device, dtype=dtype),
         }

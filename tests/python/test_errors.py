@@ -422,3 +422,179 @@ def test_data_offsets_must_be_a_pair(tmp_path, offsets):
     message = _one_line(RuntimeError, fastsafetensors_rs.load_file, path)
     assert message.startswith(f"{path}: ") and (
         f"tensor 'x': data_offsets must be [begin, end], not {len(offsets)} numbers" in message), message
+
+
+# ---------------------------------------------------------------- failed system calls are OSErrors
+
+def _os_error_entry_points():
+    """Every Python entry point that opens a file."""
+    return {
+        "load_file": fastsafetensors_rs.load_file,
+        "load": lambda p: fastsafetensors_rs.load([p]),
+        "load_cast": lambda p: fastsafetensors_rs.load([p], dtype=torch.float32),
+        "stream": lambda p: list(fastsafetensors_rs.stream(p)),
+        "safe_open": fastsafetensors_rs.safe_open,
+        "weights_iterator": lambda p: list(fastsafetensors_rs.weights_iterator(p)),
+        "fastsafe_open": fastsafetensors_rs.fastsafe_open,
+        "SafeTensorsFileLoader": _compat_loader,
+    }
+
+
+@pytest.mark.parametrize("entry", list(_os_error_entry_points()))
+def test_a_missing_file_is_file_not_found_with_errno_and_filename(tmp_path, entry):
+    """As open() and safetensors raise it, so that `except FileNotFoundError` / `except OSError`
+    around a load works; the message stays the loader's one line, and it is still the
+    RuntimeError it was."""
+    import errno
+
+    path = str(tmp_path / "does_not_exist.safetensors")
+    with pytest.raises(FileNotFoundError) as info:
+        _os_error_entry_points()[entry](path)
+    e = info.value
+    assert (e.errno, e.filename, e.strerror) == (errno.ENOENT, path, "No such file or directory")
+    assert str(e) == f"{path}: open failed: No such file or directory (os error 2)"
+    assert isinstance(e, RuntimeError)
+
+
+def test_safetensors_raises_file_not_found_as_well(tmp_path):
+    from safetensors.torch import load_file as st_load_file
+
+    with pytest.raises(FileNotFoundError):
+        st_load_file(str(tmp_path / "does_not_exist.safetensors"))
+
+
+@pytest.mark.parametrize("entry", ["load_file", "safe_open", "stream", "fastsafe_open"])
+def test_a_path_through_a_file_is_not_a_directory_error(tmp_path, entry):
+    import errno
+
+    parent = U.write_checkpoint(tmp_path / "w.safetensors", {"w": torch.ones(2)})
+    path = f"{parent}/x.safetensors"
+    with pytest.raises(NotADirectoryError) as info:
+        _os_error_entry_points()[entry](path)
+    assert (info.value.errno, info.value.filename) == (errno.ENOTDIR, path)
+
+
+@pytest.mark.parametrize("code, error", [(13, PermissionError), (21, IsADirectoryError), (5, OSError),
+                                         (24, OSError)])
+def test_each_errno_gives_the_oserror_subclass_python_gives(code, error):
+    """(The tests run as root here, so a file cannot be made unreadable: the mapping itself.)"""
+    import os
+
+    from fastsafetensors_rs._errors import from_op
+
+    strerror = os.strerror(code)
+    message = f"/m/a: b.safetensors: read failed: {strerror} (os error {code})"
+    e = from_op(message)
+    assert type(e).__mro__[1] is error and isinstance(e, RuntimeError)
+    assert (e.errno, e.strerror, e.filename, str(e)) == (code, strerror, "/m/a: b.safetensors", message)
+    import pickle
+
+    again = pickle.loads(pickle.dumps(e))
+    assert (type(again), again.errno, again.filename, str(again)) == (type(e), code, e.filename, message)
+
+
+@pytest.mark.parametrize("entry", ["safe_open", "fastsafe_open", "SafeTensorsFileLoader"])
+def test_a_directory_where_one_file_is_read_is_a_directory_error(tmp_path, entry):
+    import errno
+
+    path = tmp_path / "a_directory.safetensors"
+    path.mkdir()
+    with pytest.raises(IsADirectoryError) as info:
+        _os_error_entry_points()[entry](str(path))
+    assert (info.value.errno, info.value.filename) == (errno.EISDIR, str(path))
+    assert str(info.value).startswith(f"{path}: is a directory, but safe_open")
+
+
+def test_an_object_url_with_nothing_behind_it_is_file_not_found():
+    import errno
+
+    from fastsafetensors_rs._errors import from_op
+
+    message = ("s3://bucket/model.safetensors: no such object (HTTP 404): check the URL, and that the object "
+               "was uploaded")
+    e = from_op(message)
+    assert isinstance(e, FileNotFoundError) and isinstance(e, RuntimeError)
+    assert (e.errno, e.filename, str(e)) == (errno.ENOENT, "s3://bucket/model.safetensors", message)
+
+
+def test_errors_without_an_errno_stay_loader_errors():
+    from fastsafetensors_rs._errors import SafetensorError, from_op
+
+    for message in ("a.safetensors: mmap failed: out of memory",  # an io error without errno
+                    "a.safetensors: not a safetensors file: it is text",
+                    "a.safetensors: open failed: gone (os error 2) (read by rank 1 of the 2 ranks loading together)"):
+        e = from_op(message)
+        assert type(e) is SafetensorError and str(e) == message
+    assert type(from_op("invalid argument: x")) is ValueError
+
+
+# ---------------------------------------------------------------- bytes, and paths holding a NUL
+
+def test_serialized_bytes_load_as_safetensors_torch_load_does(all_dtypes_file):
+    from safetensors.torch import load as st_load
+
+    path, want = all_dtypes_file  # every dtype; safetensors.torch.load lacks some (F4, F8_E8M0)
+    data = path.read_bytes()
+    common = {k: t for k, t in want.items()
+              if t.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.uint8)}
+    U.assert_same_dict(st_load(save_file_bytes(common)), common)
+    U.assert_same_dict(fastsafetensors_rs.load(save_file_bytes(common)), common)
+    U.assert_same_dict(fastsafetensors_rs.load(data), want)
+    U.assert_same_dict(fastsafetensors_rs.load_bytes(data), want)
+    U.assert_same_dict(fastsafetensors_rs.load_bytes(bytearray(data)), want)
+    U.assert_same_dict(fastsafetensors_rs.load_bytes(memoryview(data)), want)
+    cast = fastsafetensors_rs.load(data, dtype=torch.float32, tensor_filter="bfloat16.*")
+    assert cast and all(t.dtype == torch.float32 for t in cast.values())
+
+
+def save_file_bytes(tensors):
+    from safetensors.torch import save
+
+    return save(tensors)
+
+
+def test_tensors_loaded_from_bytes_do_not_depend_on_them(tmp_path):
+    from safetensors.torch import save
+
+    data = bytearray(save({"w": torch.arange(8, dtype=torch.int64)}))
+    out = fastsafetensors_rs.load_bytes(data)
+    data[:] = b"\xff" * len(data)
+    del data
+    assert torch.equal(out["w"], torch.arange(8, dtype=torch.int64))
+
+
+def test_malformed_bytes_are_named_bytes():
+    with pytest.raises(fastsafetensors_rs.SafetensorError) as info:
+        fastsafetensors_rs.load(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
+    assert str(info.value).startswith("<bytes>: "), str(info.value)
+    with pytest.raises(TypeError, match="load_bytes takes serialized safetensors data"):
+        fastsafetensors_rs.load_bytes("model.safetensors")
+    with pytest.raises(ValueError, match=r"load\(data\) of serialized bytes takes device, dtype and tensor_filter "
+                                         r"only, not reader"):
+        fastsafetensors_rs.load(b"\x02\x00\x00\x00\x00\x00\x00\x00{}", reader="direct")
+
+
+@pytest.mark.parametrize("entry", ["load_file", "load_list", "safe_open", "stream", "fastsafe_open"])
+def test_bytes_that_cannot_be_a_path_are_refused_in_one_line(entry):
+    data = b"\x02\x00\x00\x00\x00\x00\x00\x00{}"
+    call = {
+        "load_file": fastsafetensors_rs.load_file,
+        "load_list": lambda d: fastsafetensors_rs.load([d]),
+        "safe_open": fastsafetensors_rs.safe_open,
+        "stream": fastsafetensors_rs.stream,
+        "fastsafe_open": fastsafetensors_rs.fastsafe_open,
+    }[entry]
+    with pytest.raises(ValueError) as info:
+        call(data)
+    assert str(info.value) == ("got 10 bytes holding a NUL byte where a path goes, and no path holds one: serialized "
+                               "safetensors data (what safetensors.torch.load takes) loads with "
+                               "fastsafetensors_rs.load(data) or load_bytes(data)")
+
+
+@pytest.mark.parametrize("entry", list(_not_utf8_entry_points()))
+def test_a_path_holding_a_nul_is_named_whole(tmp_path, entry):
+    path = str(tmp_path / "model.safetensors\0.bak")
+    with pytest.raises(ValueError) as info:
+        _not_utf8_entry_points()[entry](path)
+    assert str(info.value) == (f"{tmp_path}/model.safetensors\\x00.bak: a path cannot hold a NUL character (\\x00), "
+                               "and no file is named so")

@@ -392,3 +392,124 @@ def test_handle_holds_its_file_until_closed_or_dropped(tmp_path):
         part = f.get_slice("a")[0:2]
     assert _fds_on(path) == 0, "and leaving the with block"
     assert part.shape == (2, 5)
+
+
+# ------------------------------------------------------------------ safetensors 0.8: backend=, get_tensors()
+
+import safetensors  # noqa: E402
+
+
+@pytest.mark.parametrize("backend, reader", [("mmap", "mmap"), ("pread", "direct")])
+def test_backend_takes_safetensors_values_and_reads_with_the_matching_reader(all_dtypes_file, monkeypatch, backend,
+                                                                             reader):
+    """`backend=` (safetensors 0.8) is accepted by load_file and safe_open, and picks the reader
+    that reads the same way."""
+    from fastsafetensors_rs import api
+
+    path, written = all_dtypes_file
+    readers = []
+    real = api._load
+
+    def spy(paths, device, dtype, reader_, *rest):
+        readers.append(reader_)
+        return real(paths, device, dtype, reader_, *rest)
+
+    monkeypatch.setattr(api, "_load", spy)
+    U.assert_same_dict(fastsafetensors_rs.load_file(path, backend=backend), written)
+    with safe_open(path, "pt", "cpu", backend=backend) as f:
+        assert f._reader == reader
+        U.assert_same_dict(f.get_tensors(), written)
+    assert readers == [reader, reader]
+    # The same reader asked for twice is no conflict.
+    assert fastsafetensors_rs.load_file(path, reader=reader, backend=backend).keys() == written.keys()
+
+
+@pytest.mark.parametrize("backend", ["direct", "auto", "MMAP", ""])
+def test_an_unknown_backend_is_refused_as_safetensors_refuses_it(all_dtypes_file, backend):
+    path, _ = all_dtypes_file
+    with pytest.raises(safetensors.SafetensorError) as theirs:
+        st_load_file(str(path), backend=backend)
+    for call in (lambda: fastsafetensors_rs.load_file(path, backend=backend),
+                 lambda: safe_open(path, backend=backend)):
+        with pytest.raises(safetensors.SafetensorError) as ours:
+            call()
+        assert isinstance(ours.value, ValueError), "an argument refused, as the package's others are"
+        assert str(ours.value).startswith(str(theirs.value).rstrip(")")), (str(ours.value), str(theirs.value))
+
+
+def test_backend_of_another_type_or_disagreeing_with_reader_is_refused(all_dtypes_file):
+    path, _ = all_dtypes_file
+    with pytest.raises(TypeError, match="backend must be a string"):
+        fastsafetensors_rs.load_file(path, backend=1)
+    with pytest.raises(ValueError, match=r"reader='mmap' and backend='pread' \(reader='direct'\) disagree"):
+        safe_open(path, reader="mmap", backend="pread")
+
+
+def test_get_tensors_is_every_tensor_in_offset_order(all_dtypes_file):
+    path, written = all_dtypes_file
+    with st_safe_open(str(path), "pt") as ref, safe_open(path) as f:
+        theirs, ours = ref.get_tensors(), f.get_tensors()
+        assert isinstance(ours, dict)
+        assert list(ours) == f.offset_keys()
+        # The same order as safetensors' but among empty tensors (several at one offset, which
+        # safetensors orders otherwise).
+        assert [k for k in ours if ours[k].numel()] == [k for k in theirs if theirs[k].numel()]
+        U.assert_same_dict(ours, theirs)
+        again = f.get_tensors()
+        assert again["float32.cube"] is not ours["float32.cube"], "each call gives the caller its own tensors"
+        assert f.get_tensor("float32.cube") is not ours["float32.cube"], "independent of get_tensor"
+
+
+def test_get_tensors_of_several_files_and_a_filter(multi_file_model):
+    paths, shards = multi_file_model
+    with safe_open(paths, tensor_filter="*.weight") as f:
+        got = f.get_tensors()
+        want = {k: t for shard in shards for k, t in shard.items() if k.endswith(".weight")}
+        assert list(got) == f.offset_keys()
+        U.assert_same_dict(got, want)
+
+
+CLOSED_CALLS = {
+    "keys": lambda f: f.keys(),
+    "offset_keys": lambda f: f.offset_keys(),
+    "metadata": lambda f: f.metadata(),
+    "get_tensor": lambda f: f.get_tensor("w"),
+    "get_tensor_unknown": lambda f: f.get_tensor("no_such_tensor"),
+    "get_tensors": lambda f: f.get_tensors(),
+    "get_slice": lambda f: f.get_slice("w"),
+    "tensors": lambda f: f.tensors(),
+}
+
+
+@pytest.mark.parametrize("how", ["close", "with"])
+@pytest.mark.parametrize("call", list(CLOSED_CALLS))
+def test_every_method_of_a_closed_handle_raises_one_error(tmp_path, how, call):
+    """As safetensors' ("File is closed"): after close() or the with block, nothing answers
+    from what the handle knew. The error is a safetensors.SafetensorError too."""
+    path = U.write_checkpoint(tmp_path / "w.safetensors", {"w": torch.ones(3)}, metadata={"k": "v"})
+    if how == "close":
+        f = safe_open(path)
+        f.close()
+    else:
+        with safe_open(path) as f:
+            pass
+    with pytest.raises(fastsafetensors_rs.SafetensorError) as info:
+        CLOSED_CALLS[call](f)
+    assert isinstance(info.value, safetensors.SafetensorError) and isinstance(info.value, RuntimeError)
+    assert str(info.value) == f"{path}: the safe_open handle is closed"
+    f.close()  # closing again is harmless
+
+
+def test_errors_of_the_safetensors_style_api_are_safetensor_errors(tmp_path):
+    """Code that catches safetensors.SafetensorError around a load keeps working."""
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}xx")
+    for call in (lambda: fastsafetensors_rs.load_file(bad), lambda: safe_open(bad),
+                 lambda: list(fastsafetensors_rs.stream(bad))):
+        with pytest.raises(safetensors.SafetensorError, match=f"{bad}: .*trailing"):
+            call()
+    path = U.write_checkpoint(tmp_path / "w.safetensors", {"w": torch.ones(3)})
+    with safe_open(path) as f, pytest.raises(safetensors.SafetensorError) as info:
+        f.get_tensor("missing")
+    assert isinstance(info.value, KeyError), "and a KeyError, as before"
+    assert str(info.value) == f"{path}: no tensor named 'missing'"

@@ -5,7 +5,8 @@ unchanged on this package.
 - `SafeTensorsFileLoader(pg, device)`: `add_filenames({rank: [paths]})`, then
   `copy_files_to_device()` makes each rank read its own files and returns a
 - `FilesBufferOnDevice`: `get_tensor` (broadcast), `get_sharded` (scatter), `push_tensor`,
-  `get_multi_cols` (fused QKV), `as_dict`, `close`.
+  `get_multi_cols` (fused QKV), `as_dict`, `close`; `get_multi_cols`, `as_dict` and the
+  `*_wrapped` getters return the original's wrapper, `TorchTensor` (`.get_raw()`).
 - `fastsafe_open(files)`: `safe_open` over several files.
 - `ParallelLoader(pg, files).iterate_weights()`: every (name, tensor) on every rank.
 - `SingleGroup`, `DType`.
@@ -17,6 +18,7 @@ See docs/migration.md for what is the same, what is better and what differs.
 from .buffer import FilesBufferOnDevice, TensorNotFoundError
 from .loader import SafeTensorsFileLoader, fastsafe_open
 from .parallel import ParallelLoader
+from .tensor import TensorBase, TorchTensor
 from .types import DType, SingleGroup, resolve_device
 
 __all__ = [
@@ -25,7 +27,9 @@ __all__ = [
     "ParallelLoader",
     "SafeTensorsFileLoader",
     "SingleGroup",
+    "TensorBase",
     "TensorNotFoundError",
+    "TorchTensor",
     "fastsafe_open",
     "resolve_device",
 ]

@@ -11,6 +11,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, 
 import torch
 
 from .collectives import Group, as_bytes
+from .tensor import TorchTensor, wrap
 from .types import Device, DTypeLike, as_torch_dtype, resolve_device
 
 logger = logging.getLogger("fastsafetensors_rs.compat")
@@ -172,6 +173,22 @@ class FilesBufferOnDevice:
         self._hand_out([e])
         return self._convert(t, device, dtype)
 
+    def get_tensor_wrapped(
+        self, tensor_name: str, device: Optional[Device] = None, dtype: DTypeLike = None
+    ) -> TorchTensor:
+        """`get_tensor` in the original's wrapper (`.get_raw()` is the tensor)."""
+        return wrap(self.get_tensor(tensor_name, device, dtype))
+
+    def get_sharded_wrapped(
+        self,
+        tensor_name: str,
+        dim: int,
+        device: Optional[Device] = None,
+        dtype: DTypeLike = None,
+    ) -> TorchTensor:
+        """`get_sharded` in the original's wrapper (`.get_raw()` is the tensor)."""
+        return wrap(self.get_sharded(tensor_name, dim, device, dtype))
+
     def get_sharded(
         self,
         tensor_name: str,
@@ -226,11 +243,13 @@ class FilesBufferOnDevice:
         dim: int,
         device: Optional[Device] = None,
         dtype: DTypeLike = None,
-    ) -> torch.Tensor:
+    ) -> TorchTensor:
         """Shards several tensors along `dim` and concatenates this rank's blocks in the
         order given: the fused-QKV pattern. Rank r gets cat([block_r(t) for t in tensors]),
         blocks as in `get_sharded`. The tensors must agree in dtype and in every other
-        dimension. With `SingleGroup`, the concatenation of the whole tensors."""
+        dimension. With `SingleGroup`, the concatenation of the whole tensors.
+
+        Returned in the original's wrapper, as it returns it: `.get_raw()` is the tensor."""
         if not tensor_names:
             raise ValueError("get_multi_cols needs at least one tensor name")
         entries = [self._available(n) for n in tensor_names]
@@ -262,20 +281,21 @@ class FilesBufferOnDevice:
             parts.append(self._scatter_concat(run, dim))
             t = parts[0] if len(parts) == 1 else cat_exact(parts, dim)
         self._hand_out(entries)
-        return self._convert(t, device, dtype)
+        return wrap(self._convert(t, device, dtype))
 
-    def as_dict(self, tensor_shard_dim: Mapping[str, int]) -> Dict[str, torch.Tensor]:
+    def as_dict(self, tensor_shard_dim: Mapping[str, int]) -> Dict[str, TorchTensor]:
         """{name: get_sharded(name, dim)} for each (name, dim), in the mapping's order;
-        dim -1 means the whole tensor."""
+        dim -1 means the whole tensor. Each in the original's wrapper, as it returns them:
+        `.get_raw()` is the tensor."""
         wanted = {n for n, d in tensor_shard_dim.items() if d == -1}
-        out: Dict[str, torch.Tensor] = {}
+        out: Dict[str, TorchTensor] = {}
         for name, dim in tensor_shard_dim.items():
             if dim == -1:
                 e = self._available(name)
-                out[name] = self._whole(e, wanted)
+                out[name] = wrap(self._whole(e, wanted))
                 self._hand_out([e])
             else:
-                out[name] = self.get_sharded(name, dim)
+                out[name] = wrap(self.get_sharded(name, dim))
         return out
 
     # ------------------------------------------------------------ internals

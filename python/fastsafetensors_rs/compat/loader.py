@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from .. import api as _api
 from .._dtypes import cast_dtype
+from .._errors import mapped_errors
 from .._ops import describe
 from .buffer import FileEntry, FilesBufferOnDevice, TensorEntry, TensorNotFoundError
 from .collectives import Group
@@ -44,6 +45,7 @@ class _Header:
     metadata: Optional[Dict[str, str]]
 
 
+@mapped_errors
 def read_header(path: str, rank: int) -> _Header:
     """The header of `path` (no tensor data is read); errors name the file."""
     names, dtypes, shapes, metadata = describe(path)
