@@ -583,7 +583,8 @@ fn share_load(
         // What the ranks compare before reading for each other: the same path may hold other
         // bytes on another rank (another working directory, another mount, another copy).
         let fingerprints = planned.fingerprints()?;
-        let plan = serde_json::json!({"files": files, "buffers": buffers, "tensors": tensors, "fingerprints": fingerprints});
+        let plan =
+            serde_json::json!({"files": files, "buffers": buffers, "tensors": tensors, "fingerprints": fingerprints});
         Ok(plan.to_string())
     })
 }

@@ -254,7 +254,10 @@ mod tests {
     #[test]
     fn urls_in_messages_lose_their_credentials_and_queries() {
         let cases = [
-            ("https://u:pw@h:8/m.safetensors?X-Amz-Signature=ab12: no such object", "https://h:8/m.safetensors: no such object"),
+            (
+                "https://u:pw@h:8/m.safetensors?X-Amz-Signature=ab12: no such object",
+                "https://h:8/m.safetensors: no such object",
+            ),
             ("s3://b/k?versionId=1, and 'http://a@h/x#f' too", "s3://b/k, and 'http://h/x' too"),
             ("GET http://h/x?sig=1 failed (403)", "GET http://h/x failed (403)"),
             ("no url here: a@b?c", "no url here: a@b?c"),

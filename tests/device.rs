@@ -253,7 +253,11 @@ enum Call {
     RegisterBuffer(u64, usize),
     DeregisterBuffer(u64),
     /// A read of `len` bytes at `file_offset` of the file registered as `file`.
-    Read { file: usize, len: usize, file_offset: u64 },
+    Read {
+        file: usize,
+        len: usize,
+        file_offset: u64,
+    },
 }
 
 /// What a fake cuFile has in flight.

@@ -42,7 +42,9 @@ pub fn profile_from_env() -> Result<Option<Profile>, String> {
     let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
     let named = var("AWS_PROFILE").or_else(|| var("AWS_DEFAULT_PROFILE"));
     let home = var("HOME").map(PathBuf::from);
-    let file = |env: &str, name: &str| var(env).map(PathBuf::from).or_else(|| home.as_ref().map(|h| h.join(".aws").join(name)));
+    let file = |env: &str, name: &str| {
+        var(env).map(PathBuf::from).or_else(|| home.as_ref().map(|h| h.join(".aws").join(name)))
+    };
     let credentials = file("AWS_SHARED_CREDENTIALS_FILE", "credentials");
     let config = file("AWS_CONFIG_FILE", "config");
     let read = |path: &Option<PathBuf>| -> Result<Sections, String> {
@@ -58,11 +60,9 @@ pub fn profile_from_env() -> Result<Option<Profile>, String> {
     let name = named.clone().unwrap_or_else(|| "default".to_owned());
     let found = select(&read(&credentials)?, &read(&config)?, &name);
     match found {
-        None if named.is_some() => Err(format!(
-            "AWS_PROFILE={name}: no such profile in {} or {}",
-            shown(&credentials),
-            shown(&config)
-        )),
+        None if named.is_some() => {
+            Err(format!("AWS_PROFILE={name}: no such profile in {} or {}", shown(&credentials), shown(&config)))
+        }
         None => Ok(None),
         Some(values) => profile_of(&name, &values).map(Some),
     }
@@ -106,9 +106,7 @@ fn profile_of(name: &str, values: &HashMap<String, String>) -> Result<Profile, S
         }
     }
     if profile.access_key_id.is_some() != profile.secret_access_key.is_some() {
-        return Err(format!(
-            "the AWS profile '{name}' has only one of aws_access_key_id and aws_secret_access_key"
-        ));
+        return Err(format!("the AWS profile '{name}' has only one of aws_access_key_id and aws_secret_access_key"));
     }
     Ok(profile)
 }

@@ -37,20 +37,19 @@ use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
 use object_store::http::HttpBuilder;
 use object_store::path::Path as ObjectPath;
 use object_store::{
-    Attribute, BackoffConfig, ClientConfigKey, ClientOptions, GetOptions, ObjectStore, ObjectStoreScheme,
-    RetryConfig,
+    Attribute, BackoffConfig, ClientConfigKey, ClientOptions, GetOptions, ObjectStore, ObjectStoreScheme, RetryConfig,
 };
 use tokio::runtime::Runtime;
 use tokio::sync::Semaphore;
 use url::Url;
 
 use super::aws_files;
-use crate::source;
 use super::cache::CacheWriter;
 use super::{sampled_fingerprint, Capabilities, Identity, LocalFile, Source};
 use crate::error::{Error, Result};
 use crate::format::{self, Header};
 use crate::settings::setting;
+use crate::source;
 use crate::source::budget::parse_size;
 
 /// Bytes asked for by the first GET of an object: enough for the header of nearly every
@@ -207,8 +206,9 @@ fn locate(url: &str) -> Result<Location> {
     }
     // The AWS CLI's files, for S3 only: a profile's values are part of its store's identity.
     let profile = match scheme {
-        ObjectStoreScheme::AmazonS3 => aws_files::profile_from_env()
-            .map_err(|reason| Error::RemoteConfig { url: shown(url), reason })?,
+        ObjectStoreScheme::AmazonS3 => {
+            aws_files::profile_from_env().map_err(|reason| Error::RemoteConfig { url: shown(url), reason })?
+        }
         _ => None,
     };
     key.push_str(&format!("#{:x}", config_hash(&profile)));
@@ -309,7 +309,8 @@ fn build_store(
             // The store appends each object's path to its URL, and keeps the URL's query.
             // The user name and password go as Basic authorization, on every request to this
             // host (the store's URL is this one host's), never in the URL the client sees.
-            let host = format!("{}://{}", parsed.scheme(), &parsed[url::Position::BeforeHost..url::Position::BeforePath]);
+            let host =
+                format!("{}://{}", parsed.scheme(), &parsed[url::Position::BeforeHost..url::Position::BeforePath]);
             let base = match parsed.query() {
                 Some(query) => format!("{host}/?{query}"),
                 None => host,
@@ -419,9 +420,12 @@ impl RemoteObject {
             Ok((identity, bytes))
         })?;
         if let Identity::Object { e_tag: None, version: None, modified: None, .. } = &identity {
-            say_once(&at.url, "the server gives neither an ETag nor a Last-Modified date, so the object cannot be \
+            say_once(
+                &at.url,
+                "the server gives neither an ETag nor a Last-Modified date, so the object cannot be \
                 pinned to one version: only its size is checked on every read (a replacement of the same size \
-                during the load would go unseen)");
+                during the load would go unseen)",
+            );
         }
         Ok(RemoteObject {
             path: PathBuf::from(url),
@@ -511,7 +515,11 @@ impl RemoteObject {
                 Some(e) if retries.again(&e).await => continue,
                 Some(e) => return Err(retries.give_up(&self.at.url, e)),
                 None if done < dst.len() => {
-                    return Err(Error::Truncated { path: self.path.clone(), at: start + done as u64, expected: self.len() })
+                    return Err(Error::Truncated {
+                        path: self.path.clone(),
+                        at: start + done as u64,
+                        expected: self.len(),
+                    })
                 }
                 None => return Ok(()),
             }
@@ -549,7 +557,9 @@ impl RemoteObject {
             (
                 Identity::Object { len, e_tag, version, modified },
                 Identity::Object { len: now_len, e_tag: now_tag, version: now_version, modified: now_modified },
-            ) => len == now_len && agree(e_tag, now_tag) && agree(version, now_version) && agree(modified, now_modified),
+            ) => {
+                len == now_len && agree(e_tag, now_tag) && agree(version, now_version) && agree(modified, now_modified)
+            }
             _ => false,
         }
     }
@@ -932,7 +942,9 @@ mod tests {
     #[test]
     fn what_a_retry_may_mend() {
         let answered = |text: &str| object_store::Error::Generic { store: "HTTP", source: text.to_owned().into() };
-        assert!(retryable(&answered("Error performing GET http://h/x in 1ms - Server returned non-2xx status code: 503 Service Unavailable: ")));
+        assert!(retryable(&answered(
+            "Error performing GET http://h/x in 1ms - Server returned non-2xx status code: 503 Service Unavailable: "
+        )));
         assert!(retryable(&answered("Server returned non-2xx status code: 429 Too Many Requests")));
         assert!(!retryable(&answered("Server returned non-2xx status code: 400 Bad Request")));
         assert!(!retryable(&object_store::Error::NotFound { path: "x".into(), source: "404".into() }));
