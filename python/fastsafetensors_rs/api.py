@@ -356,15 +356,43 @@ def load(
     return out
 
 
+def _interruptible(work: Callable[[], T], device: str, interrupted: Callable[[], bool]) -> T:
+    """`work()` on a thread of its own while this one waits, so that Ctrl-C reaches the caller
+    at once however long a remote server takes. On KeyboardInterrupt, `interrupted()` is
+    called: True once it has cancelled what the work waits for (then the thread is joined
+    before the interrupt goes on), False to leave the thread to finish on its own. On CUDA
+    the thread works on the caller's current stream."""
+    outcome: Dict[str, Any] = {}
+    stream = torch.cuda.current_stream(device) if device.startswith("cuda") else None
+
+    def run() -> None:
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                outcome["value"] = work()
+        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+            outcome["error"] = e
+
+    worker = threading.Thread(target=run, name="fastsafetensors-load", daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.1)
+    except KeyboardInterrupt:
+        if interrupted():
+            worker.join()
+        raise
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
 class _Interruptible:
-    """Runs a load of URLs on a thread of its own while the caller's waits, so that Ctrl-C
-    reaches the caller at once however long a server takes. Then the reads in flight from the
-    load's handle are cancelled (they stop within 50 ms) and the thread joined; a load still
-    opening its files (a header's GET) is left to finish on its own, and its handle closed
-    unused. On CUDA the thread loads on the caller's current stream."""
+    """A load of URLs run by `_interruptible`: on Ctrl-C, the reads in flight from the load's
+    handle are cancelled (they stop within 50 ms); a load still opening its files (a header's
+    GET) is left to finish on its own, and its handle closed unused."""
 
     def __init__(self, device: str):
-        self._stream = torch.cuda.current_stream(device) if device.startswith("cuda") else None
+        self._device = device
         self._lock = threading.Lock()
         self._handle: Optional[int] = None
         self._interrupted = False
@@ -377,32 +405,14 @@ class _Interruptible:
             if self._interrupted:
                 raise KeyboardInterrupt
 
+    def _interrupt(self) -> bool:
+        with self._lock:
+            self._interrupted = True
+            handle = self._handle
+        return handle is not None and ops.cancel_handle(handle)
+
     def run(self, load: Callable[["_Interruptible"], T]) -> T:
-        outcome: Dict[str, Any] = {}
-
-        def work() -> None:
-            try:
-                with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
-                    outcome["value"] = load(self)
-            except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
-                outcome["error"] = e
-
-        worker = threading.Thread(target=work, name="fastsafetensors-load", daemon=True)
-        worker.start()
-        try:
-            while worker.is_alive():
-                worker.join(0.1)
-        except KeyboardInterrupt:
-            with self._lock:
-                self._interrupted = True
-                handle = self._handle
-            if handle is not None:
-                ops.cancel_handle(handle)
-                worker.join()
-            raise
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome["value"]
+        return _interruptible(lambda: load(self), self._device, self._interrupt)
 
 
 def _cache_dir(cache_dir: Optional[PathLike]) -> Optional[str]:
@@ -421,9 +431,7 @@ def _opened(paths: List[str], cache_dir: Optional[str],
     if cache_dir is None and not any(map(is_url, paths)):
         yield paths, -1
         return
-    # Files as they are (opening one reads its header: a second open would be a second GET);
-    # directories, prefixes and indexes resolved to theirs.
-    files = paths if all(p.endswith(".safetensors") for p in paths) else checkpoint_files(paths)
+    files = _files_of(paths)
     handle = ops.open_handle(files, cache_dir)
     try:
         if interruptible is not None:
@@ -431,6 +439,12 @@ def _opened(paths: List[str], cache_dir: Optional[str],
         yield files, handle
     finally:
         ops.close_handle(handle)
+
+
+def _files_of(paths: List[str]) -> List[str]:
+    """The files `paths` stand for: files as they are (opening one reads its header: a second
+    open would be a second GET); directories, prefixes and indexes resolved to theirs."""
+    return paths if all(p.endswith(".safetensors") for p in paths) else checkpoint_files(paths)
 
 
 def _shared(process_group: Optional[ProcessGroup]) -> bool:
@@ -588,6 +602,22 @@ def stream(
                                         cache_dir=cache)
         _nothing_selected(patterns, mode, shared.tensor_count, paths)
         return distributed.SharedTensors(shared)
+    if any(map(is_url, paths)):
+        # The iterator holds the files open: Ctrl-C while it waits cancels their requests.
+        def open_remote(load: _Interruptible) -> TensorIterator:
+            files = _files_of(paths)
+            handle = ops.open_handle(files, cache)
+            try:
+                load.opened(handle)
+                opened = _ops.open_stream(files, target, cast, reader, patterns, mode, budget, handle)
+            except BaseException:
+                ops.close_handle(handle)
+                raise
+            return TensorIterator(opened, files=handle, device=target)
+
+        iterator = _Interruptible(target).run(open_remote)
+        _nothing_selected(patterns, mode, iterator.tensor_count, paths)
+        return iterator
     with _opened(paths, cache) as (files, handle):
         opened = _ops.open_stream(files, target, cast, reader, patterns, mode, budget, handle)
     _nothing_selected(patterns, mode, opened.tensor_count(), paths)
@@ -599,9 +629,15 @@ class TensorIterator:
     there are in all (`tensor_count`, `byte_count`). `close()` (or dropping it) stops the reads.
     Threads may share one: each tensor goes to exactly one of them."""
 
-    def __init__(self, handle):
+    def __init__(self, handle, files: Optional[int] = None, device: str = "cpu"):
         self._lock = threading.Lock()
         self._handle = handle
+        # The handle of the files the stream reads, where it holds them (URLs): a wait for the
+        # next group is then on a thread of its own, and Ctrl-C cancels their requests.
+        self._files = files
+        self._device = device
+        if files is not None:
+            weakref.finalize(self, ops.close_handle, files)
         self._reported: set = set()
         self._names: List[str] = []
         self._tensors: List[Optional[torch.Tensor]] = []
@@ -623,8 +659,12 @@ class TensorIterator:
         while self._next == len(self._names):
             group = None
             if self._handle is not None:
-                with _gc_paused():
-                    group = self._handle.next()
+                try:
+                    with _gc_paused():
+                        group = self._next_group()
+                except KeyboardInterrupt:
+                    self._drop()  # its reads cancelled: the stream is over
+                    raise
             if group is None:
                 self._drop()
                 raise StopIteration
@@ -636,6 +676,12 @@ class TensorIterator:
         # Hand each tensor over and forget it: only the consumer keeps its buffer alive.
         tensor, self._tensors[i] = self._tensors[i], None
         return self._names[i], tensor
+
+    def _next_group(self):
+        if self._files is None:
+            return self._handle.next()
+        files = self._files
+        return _interruptible(self._handle.next, self._device, lambda: ops.cancel_handle(files))
 
     def _report_file(self) -> None:
         """Logs how each file is read, when its first group arrives."""
@@ -657,6 +703,9 @@ class TensorIterator:
     def _drop(self) -> None:
         self._handle = None
         self._names, self._tensors, self._next = [], [], 0
+        if self._files is not None:
+            ops.close_handle(self._files)
+            self._files = None
 
     def __enter__(self) -> "TensorIterator":
         return self

@@ -810,21 +810,24 @@ def test_closing_a_remote_stream_stops_its_stalled_requests_at_once(local_models
             assert took < 3, f"{leave}: leaving a stalled stream took {took:.1f} s"
 
 
-@pytest.mark.parametrize("stalled", ["header", "data"])
+@pytest.mark.parametrize("stalled", ["header", "data", "stream-header", "stream-data"])
 def test_ctrl_c_interrupts_a_stalled_remote_load_at_once(local_models, stalled):
-    """SIGINT during `load_file` of a URL whose server stalls (in the GET of the header, or in
-    those of the data): KeyboardInterrupt within a second or two, not when the request times
-    out."""
+    """SIGINT during `load_file` (or a stream's opening or iteration) of a URL whose server
+    stalls (in the GET of the header, or in those of the data): KeyboardInterrupt within a
+    second or two, not when the request times out."""
+    load = ("f.load_file(url)" if not stalled.startswith("stream") else
+            "for name, t in f.stream(url, max_memory='4M'):\n            print(name, flush=True)")
     script = f"""
 import sys
 sys.path.insert(0, {str(Path(U.__file__).parent)!r})
 import fastsafetensors_rs as f
 from remote_servers import FileServer
 with FileServer({str(local_models)!r}, delay=60) as server:
-    server.delay_from = {0 if stalled == "header" else 1 << 20}
+    server.delay_from = {0 if stalled.endswith("header") else 1 << 20}
+    url = server.url + "/big/model.safetensors"
     print("loading", flush=True)
     try:
-        f.load_file(server.url + "/big/model.safetensors")
+        {load}
     except KeyboardInterrupt:
         print("interrupted", flush=True)
         sys.exit(7)
