@@ -479,14 +479,21 @@ def _entries(cache: Path, timeout: float = 20.0, want: int | None = None) -> lis
         time.sleep(0.05)
 
 
-def test_the_cache_makes_the_next_load_local(http_server, local_models, tmp_path, monkeypatch):
+@pytest.fixture
+def cached(http_server, local_models, tmp_path, monkeypatch):
+    """(url, reference tensors, the entry, the file's bytes) after a load that cached it."""
     cache = tmp_path / "cache"
     monkeypatch.setenv("FASTSAFETENSORS_CACHE_DIR", str(cache))
     url = f"{http_server.url}/big/model.safetensors"
     ref = reference(local_models / "big" / "model.safetensors")
     U.assert_same_dict(fst.load_file(url), ref)
     [entry] = _entries(cache, want=1)
-    assert entry.read_bytes() == (local_models / "big" / "model.safetensors").read_bytes()
+    return url, ref, entry, (local_models / "big" / "model.safetensors").read_bytes()
+
+
+def test_the_cache_makes_the_next_load_local(cached, http_server):
+    url, ref, entry, data = cached
+    assert entry.read_bytes() == data
     http_server.reset()
     tensors, read_paths = U.op_load_with_report([url], "cpu", None, None, None)
     U.assert_same_dict(tensors, ref)
@@ -630,18 +637,6 @@ def test_an_object_without_an_etag_replaced_by_one_of_the_same_size_is_an_error(
 
 
 # ------------------------------------------------------------------------------ damaged cache entries
-@pytest.fixture
-def cached(http_server, local_models, tmp_path, monkeypatch):
-    """(url, reference tensors, the entry, the file's bytes) after a load that cached it."""
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("FASTSAFETENSORS_CACHE_DIR", str(cache))
-    url = f"{http_server.url}/big/model.safetensors"
-    ref = reference(local_models / "big" / "model.safetensors")
-    U.assert_same_dict(fst.load_file(url), ref)
-    [entry] = _entries(cache, want=1)
-    return url, ref, entry, (local_models / "big" / "model.safetensors").read_bytes()
-
-
 def _damage_then_load(cached, http_server, capfd, damage) -> None:
     url, ref, entry, data = cached
     damage(entry, data)
