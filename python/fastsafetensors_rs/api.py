@@ -363,7 +363,9 @@ def _interruptible(work: Callable[[], T], device: str, interrupted: Callable[[],
     before the interrupt goes on), False to leave the thread to finish on its own. On CUDA
     the thread works on the caller's current stream."""
     outcome: Dict[str, Any] = {}
-    stream = torch.cuda.current_stream(device) if device.startswith("cuda") else None
+    # (Without CUDA the op itself refuses the device, with its own message.)
+    cuda = device.startswith("cuda") and torch.cuda.is_available()
+    stream = torch.cuda.current_stream(device) if cuda else None
 
     def run() -> None:
         try:

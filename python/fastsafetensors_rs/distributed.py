@@ -19,11 +19,11 @@ Which group to pass:
 A group of one rank is an ordinary load.
 
 Every rank must ask for the same load (files, tensor filter, dtype, device type, memory
-budget) and see the same bytes under its paths (each file's fingerprint: its size, its header
-and up to 64 pages sampled over its data, or an object's ETag or version id); a difference is
-refused at once on every rank, naming it. A rank whose read fails
-makes every rank raise, naming the file and the rank: no rank returns a tensor whose buffer
-was not filled by all of them.
+budget) and see the same bytes under its paths (each file's fingerprint: its size, its
+header and up to 64 pages sampled over its data, or an object's ETag, version id or
+Last-Modified date); a difference is refused at once on every rank, naming it. A rank whose
+read fails makes every rank raise, naming the file and the rank: no rank returns a tensor
+whose buffer was not filled by all of them.
 """
 
 from __future__ import annotations

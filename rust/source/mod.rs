@@ -225,16 +225,20 @@ impl Identity {
     }
 
     /// A fingerprint of an object's version where the store names it (an ETag or version id
-    /// is the store's own fingerprint of the bytes); None for a file or an unnamed version.
+    /// is the store's own fingerprint of the bytes; else its size and Last-Modified date, for
+    /// ranks reading one URL); None for a file or a version the store does not name.
     pub fn version_fingerprint(&self) -> Option<String> {
-        match self {
-            Identity::Object { len, e_tag, version, .. } if e_tag.is_some() || version.is_some() => Some(format!(
-                "object of {len} bytes, ETag {}, version {}",
-                e_tag.as_deref().unwrap_or("-"),
-                version.as_deref().unwrap_or("-")
-            )),
-            _ => None,
+        let Identity::Object { len, e_tag, version, modified } = self else { return None };
+        if e_tag.is_none() && version.is_none() && modified.is_none() {
+            return None;
         }
+        let modified = modified.and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok()).map(|d| d.as_secs());
+        Some(format!(
+            "object of {len} bytes, ETag {}, version {}, modified {}",
+            e_tag.as_deref().unwrap_or("-"),
+            version.as_deref().unwrap_or("-"),
+            modified.map_or("-".to_owned(), |s| s.to_string())
+        ))
     }
 }
 

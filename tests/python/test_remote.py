@@ -865,3 +865,16 @@ def test_retries_wait_a_tenth_of_a_second_doubling_and_give_up_when_counted(http
         assert len(proxy.failed_at) == 4 and 0.7 <= took < 2.5, (proxy.failed_at, took)
         assert "503 Service Unavailable" in str(e.value) and "after 3 retries over 0." in str(e.value), e.value
         proxy.fail_next = 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: see tests/gpu")
+@pytest.mark.parametrize("entry", ["load_file", "stream"])
+def test_a_url_to_cuda_without_a_driver_is_the_loaders_clear_error(http_server, entry):
+    """Loads of URLs wait on a thread of their own (for Ctrl-C): the error is still the
+    loader's own, raised in the caller."""
+    url = f"{http_server.url}/flat/a.safetensors"
+    with pytest.raises(RuntimeError, match="cannot load to cuda"):
+        if entry == "load_file":
+            fst.load_file(url, device="cuda")
+        else:
+            list(fst.stream(url, device="cuda"))
