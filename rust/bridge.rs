@@ -582,7 +582,8 @@ fn share_load(
         let files: Vec<String> = planned.paths().iter().map(|p| p.to_string_lossy().into_owned()).collect();
         // What the ranks compare before reading for each other: the same path may hold other
         // bytes on another rank (another working directory, another mount, another copy).
-        let fingerprints = planned.fingerprints()?;
+        // A rank alone reads for no other.
+        let fingerprints = if world > 1 { planned.fingerprints()? } else { Vec::new() };
         let plan =
             serde_json::json!({"files": files, "buffers": buffers, "tensors": tensors, "fingerprints": fingerprints});
         Ok(plan.to_string())

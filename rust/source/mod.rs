@@ -301,8 +301,8 @@ pub trait Source: Send + Sync {
     /// header and [`FINGERPRINT_SAMPLES`] pages spread evenly over the data. Ranks sharing a
     /// load compare it before each reads its part for the others. It is a sample, not a
     /// digest: files differing in a few bytes between the pages sampled are not told apart
-    /// (a verified load is). The modification time is not part of it: copies of one
-    /// checkpoint made at different times are the same bytes.
+    /// (only digests of every byte would). The modification time is not part of it: copies of
+    /// one checkpoint made at different times are the same bytes.
     fn fingerprint(&self) -> Result<String> {
         sampled_fingerprint(self, |page, offset| self.read_at(page, offset))
     }
@@ -548,8 +548,10 @@ impl Source for LocalFile {
     /// read of a cold file would read ahead megabytes around each page.
     fn fingerprint(&self) -> Result<String> {
         match self.reopen(libc::O_DIRECT) {
-            Ok(direct) => sampled_fingerprint(self, |page, offset| {
-                direct.read_at(page, offset).map_err(|e| Error::io(&self.path, "read", e))
+            // A filesystem that opens with O_DIRECT but refuses the read: through the cache.
+            Ok(direct) => sampled_fingerprint(self, |page, offset| match direct.read_at(page, offset) {
+                Ok(n) => Ok(n),
+                Err(_) => self.read_at(page, offset),
             }),
             Err(_) => sampled_fingerprint(self, |page, offset| self.read_at(page, offset)),
         }

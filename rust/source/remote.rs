@@ -199,7 +199,7 @@ fn locate(url: &str) -> Result<Location> {
     // One store per host, and per first path segment where that can be the bucket
     // (https://s3.region.amazonaws.com/bucket/...), and per configuration: a test, or a
     // program that switches credentials, gets a store built with what the environment says now.
-    let mut key = format!("{}://{}", parsed.scheme(), &parsed[url::Position::BeforeHost..url::Position::BeforePath]);
+    let mut key = server_of(&parsed);
     if scheme != ObjectStoreScheme::Http {
         key.push('/');
         key.push_str(parsed.path().trim_start_matches('/').split('/').next().unwrap_or(""));
@@ -228,8 +228,7 @@ fn locate(url: &str) -> Result<Location> {
         }
     };
     drop(stores);
-    let host = format!("{}://{}", parsed.scheme(), &parsed[url::Position::BeforeHost..url::Position::BeforePath]);
-    let limit = in_flight(&shown(&host), RemoteSettings::from_env()?.concurrency);
+    let limit = in_flight(&server_of(&parsed), RemoteSettings::from_env()?.concurrency);
     Ok(Location { url: shown(url), store, path, limit })
 }
 
@@ -245,6 +244,11 @@ fn config_hash(profile: &Option<aws_files::Profile>) -> u64 {
     vars.hash(&mut hasher);
     profile.hash(&mut hasher);
     hasher.finish()
+}
+
+/// `scheme://host:port` of `url`: its server, without user name or password.
+fn server_of(url: &Url) -> String {
+    format!("{}://{}", url.scheme(), &url[url::Position::BeforeHost..url::Position::BeforePath])
 }
 
 /// A hash of `text`, for a store's key (where the text itself, a query string, may be secret).
@@ -309,8 +313,7 @@ fn build_store(
             // The store appends each object's path to its URL, and keeps the URL's query.
             // The user name and password go as Basic authorization, on every request to this
             // host (the store's URL is this one host's), never in the URL the client sees.
-            let host =
-                format!("{}://{}", parsed.scheme(), &parsed[url::Position::BeforeHost..url::Position::BeforePath]);
+            let host = server_of(parsed);
             let base = match parsed.query() {
                 Some(query) => format!("{host}/?{query}"),
                 None => host,
