@@ -639,7 +639,8 @@ class TensorIterator:
         self._files = files
         self._device = device
         if files is not None:
-            weakref.finalize(self, ops.close_handle, files)
+            # (Not at exit: the ops may be gone then, and the process lets go of everything.)
+            weakref.finalize(self, ops.close_handle, files).atexit = False
         self._reported: set = set()
         self._names: List[str] = []
         self._tensors: List[Optional[torch.Tensor]] = []
