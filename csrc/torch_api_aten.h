@@ -1,7 +1,7 @@
 // torch_api.h over ATen and torch/library.h: the library is tied to the torch release it was
 // compiled against (torch 2.8 to 2.10, which lack the stable ABI's from_blob with a deleter,
-// or any torch with FASTSAFETENSORS_ABI=torch). ATen/ATen.h and torch/library.h, not
-// torch/extension.h (3x slower to compile).
+// or any torch with FASTSAFETENSORS_ABI=torch). ATen/ATen.h and torch/library.h, not the
+// all-in-one extension header (3x slower to compile).
 #pragma once
 
 #include <ATen/ATen.h>
