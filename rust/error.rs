@@ -116,6 +116,24 @@ pub enum Error {
     /// Another error's message, with the credentials of the URLs in it removed.
     #[error("{0}")]
     Redacted(String),
+    /// A signature's envelope does not verify with the key, certificate or identity given.
+    #[error("{signature}: signature does not verify: {why}")]
+    SignatureInvalid { signature: String, why: String },
+    /// A signature or manifest of a kind, version or algorithm this loader does not check.
+    #[error("{signature}: {why}")]
+    ManifestUnsupported { signature: String, why: String },
+    /// Verification was asked for, but there is nothing to verify against.
+    #[error("{}: {why}", .path.display())]
+    NothingToVerify { path: PathBuf, why: String },
+    /// A file of the load is not among the files the manifest lists.
+    #[error("{}: not listed in {manifest}: its bytes cannot be verified", .path.display())]
+    NotInManifest { path: PathBuf, manifest: String },
+    /// A file's bytes do not hash to what the manifest says.
+    #[error("{}: digest mismatch (bytes {start}..{end}): expected {expected}, got {actual} ({manifest})", .path.display())]
+    DigestMismatch { path: PathBuf, start: u64, end: u64, expected: String, actual: String, manifest: String },
+    /// A load that reads part of a file cannot check a digest of the whole file.
+    #[error("{}: {manifest} has a digest of the whole file, but this load reads only part of it; pass verify=\"full\" to read the rest and check it, or load the whole file", .path.display())]
+    PartialVerify { path: PathBuf, manifest: String },
 }
 
 /// "tensor_filter names 2 tensors that are in none of the files (a, b): 'x', 'y'", with at

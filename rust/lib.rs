@@ -28,5 +28,6 @@ pub mod load;
 pub mod plan;
 pub mod settings;
 pub mod source;
+pub mod verify;
 
 pub use error::{Error, Result};

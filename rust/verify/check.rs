@@ -1,0 +1,3 @@
+//! The per-file check readers feed.
+pub struct FileCheck;
+pub struct Verifier;

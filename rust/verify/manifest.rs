@@ -1,0 +1,1 @@
+//! Manifests from digests the caller gives and from a Hugging Face cache's blob names.

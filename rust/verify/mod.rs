@@ -1,0 +1,185 @@
+//! Verified loads: what each file's bytes must hash to (a [`Manifest`]), and the per-file
+//! check the readers feed as bytes land ([`FileCheck`]).
+//!
+//! A manifest comes from an OpenSSF model-signing signature ([`oms`]), a Hugging Face cache's
+//! blob names or digests the caller gives ([`manifest`]). The loaders own every buffer a byte
+//! lands in, so the digest is computed there, as the bytes arrive, never by a second read: a
+//! reader reports each block it filled ([`FileCheck::landed`]), and whichever thread completes
+//! the next bytes in file order hashes them while the other readers go on.
+
+pub mod check;
+pub mod manifest;
+pub mod oms;
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+pub use check::{FileCheck, Verifier};
+
+/// A hash algorithm a manifest names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Algorithm {
+    Sha256,
+    /// BLAKE2b with a 64-byte digest (model signing's `blake2`, Python's `hashlib.blake2b`).
+    Blake2b,
+    Blake3,
+}
+
+impl Algorithm {
+    /// The name manifests use: `sha256`, `blake2`, `blake3`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::Sha256 => "sha256",
+            Algorithm::Blake2b => "blake2",
+            Algorithm::Blake3 => "blake3",
+        }
+    }
+
+    /// The algorithm a manifest names, `None` for one this crate does not compute.
+    pub fn from_name(name: &str) -> Option<Algorithm> {
+        match name {
+            "sha256" => Some(Algorithm::Sha256),
+            "blake2" | "blake2b" => Some(Algorithm::Blake2b),
+            "blake3" => Some(Algorithm::Blake3),
+            _ => None,
+        }
+    }
+
+    pub fn digest_len(self) -> usize {
+        match self {
+            Algorithm::Sha256 | Algorithm::Blake3 => 32,
+            Algorithm::Blake2b => 64,
+        }
+    }
+
+    pub fn hasher(self) -> Hasher {
+        match self {
+            Algorithm::Sha256 => Hasher::Sha256(Default::default()),
+            Algorithm::Blake2b => Hasher::Blake2b(Default::default()),
+            Algorithm::Blake3 => Hasher::Blake3(Box::default()),
+        }
+    }
+}
+
+/// A running hash of one of the [`Algorithm`]s.
+#[derive(Clone)]
+pub enum Hasher {
+    Sha256(sha2::Sha256),
+    Blake2b(blake2::Blake2b512),
+    Blake3(Box<blake3::Hasher>),
+}
+
+impl Hasher {
+    pub fn update(&mut self, bytes: &[u8]) {
+        use sha2::Digest as _;
+        match self {
+            Hasher::Sha256(h) => h.update(bytes),
+            Hasher::Blake2b(h) => h.update(bytes),
+            Hasher::Blake3(h) => {
+                h.update(bytes);
+            }
+        }
+    }
+
+    pub fn finish(self) -> Digest {
+        use sha2::Digest as _;
+        match self {
+            Hasher::Sha256(h) => Digest { algorithm: Algorithm::Sha256, bytes: h.finalize().to_vec() },
+            Hasher::Blake2b(h) => Digest { algorithm: Algorithm::Blake2b, bytes: h.finalize().to_vec() },
+            Hasher::Blake3(h) => Digest { algorithm: Algorithm::Blake3, bytes: h.finalize().as_bytes().to_vec() },
+        }
+    }
+}
+
+/// A digest and the algorithm that made it. Shown as `sha256:<hex>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Digest {
+    pub algorithm: Algorithm,
+    pub bytes: Vec<u8>,
+}
+
+impl Digest {
+    /// A digest from its algorithm's name and its hex digits; `why` says what is wrong.
+    pub fn from_hex(algorithm: &str, hex: &str) -> Result<Digest, String> {
+        let algorithm = Algorithm::from_name(algorithm).ok_or_else(|| {
+            format!("hash algorithm '{algorithm}' is not supported (sha256, blake2 and blake3 are)")
+        })?;
+        let bytes = parse_hex(hex).ok_or_else(|| format!("'{hex}' is not a hex digest"))?;
+        if bytes.len() != algorithm.digest_len() {
+            return Err(format!(
+                "a {} digest is {} hex digits, not {}",
+                algorithm.name(),
+                algorithm.digest_len() * 2,
+                hex.len()
+            ));
+        }
+        Ok(Digest { algorithm, bytes })
+    }
+
+    /// `algorithm:hex` (`sha256:…`); a bare 64-digit hex string is a sha256.
+    pub fn parse(text: &str) -> Result<Digest, String> {
+        match text.split_once(':') {
+            Some((algorithm, hex)) => Digest::from_hex(algorithm, hex),
+            None => Digest::from_hex("sha256", text),
+        }
+    }
+
+    pub fn hex(&self) -> String {
+        crate::source::hex(&self.bytes)
+    }
+}
+
+impl fmt::Display for Digest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.algorithm.name(), self.hex())
+    }
+}
+
+fn parse_hex(hex: &str) -> Option<Vec<u8>> {
+    if hex.len() % 2 != 0 || !hex.bytes().all(|c| c.is_ascii_hexdigit()) {
+        return None;
+    }
+    (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).ok()).collect()
+}
+
+/// What one file must hash to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Expected {
+    /// A digest of the whole file.
+    Whole(Digest),
+    /// Digests of byte ranges that tile the file (model signing's `shard` manifests), in order.
+    Shards(Vec<Shard>),
+}
+
+/// A byte range of a file and its digest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Shard {
+    pub start: u64,
+    pub end: u64,
+    pub digest: Digest,
+}
+
+/// The files of a checkpoint and what each must hash to, by name relative to the checkpoint's
+/// directory (`/`-separated).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Manifest {
+    pub files: BTreeMap<String, Expected>,
+    /// Where the manifest came from, for messages: `model.sig (signed by key.pub)`.
+    pub origin: String,
+}
+
+impl Manifest {
+    /// The entry for a file at `path` (a local path or a URL): the listed name that is the
+    /// longest suffix of the path, on `/` boundaries. A manifest names files relative to the
+    /// model's directory, wherever that directory is.
+    pub fn entry_for(&self, path: &str) -> Option<(&str, &Expected)> {
+        self.files
+            .iter()
+            .filter(|(name, _)| {
+                path == name.as_str()
+                    || path.strip_suffix(name.as_str()).is_some_and(|head| head.ends_with('/'))
+            })
+            .max_by_key(|(name, _)| name.len())
+            .map(|(name, e)| (name.as_str(), e))
+    }
+}
