@@ -526,8 +526,8 @@ std::tuple<Strings, std::optional<std::string>, Strings> checkpoint(std::string 
 double resident_fraction(std::string file) { return call_rust([&] { return rs::resident_fraction(file); }); }
 
 // A handle on `files`, opened now: the ops taking it read those, whatever becomes of the paths.
-int64_t open_handle(Strings files, std::optional<std::string> cache_dir) {
-  return call_rust([&] { return rs::open_handle(to_rust(files), cache_dir.value_or("")); });
+int64_t open_handle(Strings files, std::optional<std::string> cache_dir, std::optional<std::string> verify) {
+  return call_rust([&] { return rs::open_handle(to_rust(files), cache_dir.value_or(""), verify.value_or("")); });
 }
 bool close_handle(int64_t handle) { return rs::close_handle(handle); }
 bool cancel_handle(int64_t handle) { return rs::cancel_handle(handle); }
@@ -577,7 +577,7 @@ FST_LIBRARY(m) {
   m.def("metadata(str file) -> (str[]? keys, str[]? values)");
   m.def("describe(str file, int handle=-1)"
         " -> (str[] names, str[] dtypes, int[][] shapes, str[]? metadata_keys, str[]? metadata_values)");
-  m.def("open_handle(str[] files, str? cache_dir=None) -> int");
+  m.def("open_handle(str[] files, str? cache_dir=None, str? verify=None) -> int");
   m.def("close_handle(int handle) -> bool");
   m.def("cancel_handle(int handle) -> bool");
 }

@@ -126,7 +126,9 @@ mod ffi {
         /// which the loads below take instead of reopening their `paths` (then some of those
         /// opened), until `close_handle`. `handle` -1 there: open `paths` afresh. URLs' objects
         /// are cached in `cache_dir` ("": where `$FASTSAFETENSORS_CACHE_DIR` says, if set).
-        fn open_handle(paths: &Vec<String>, cache_dir: &str) -> Result<i64>;
+        /// `verify`: "" for none, else what every load from the handle is verified against
+        /// (JSON: see `verify::verifier_from_spec`).
+        fn open_handle(paths: &Vec<String>, cache_dir: &str, verify: &str) -> Result<i64>;
         /// Lets go of the files of `handle` (loads running from them keep them); false if it
         /// was not open.
         fn close_handle(handle: i64) -> bool;
@@ -506,11 +508,15 @@ fn target_and_cast(device: &str, dtype: &str) -> Result<(Target, Option<Dtype>)>
     Ok((target, cast))
 }
 
-fn open_handle(paths: &Vec<String>, cache_dir: &str) -> Result<i64> {
+fn open_handle(paths: &Vec<String>, cache_dir: &str, verify: &str) -> Result<i64> {
     guard(|| {
         let paths: Vec<PathBuf> = paths.iter().map(PathBuf::from).collect();
         let cache_dir = (!cache_dir.is_empty()).then(|| Path::new(cache_dir));
-        Ok(HANDLES.insert(OpenFiles::open_cached(&paths, cache_dir)?))
+        let mut files = OpenFiles::open_cached(&paths, cache_dir)?;
+        if !verify.is_empty() {
+            files = files.verified(crate::verify::verifier_from_spec(verify, &paths)?)?;
+        }
+        Ok(HANDLES.insert(files))
     })
 }
 
@@ -552,6 +558,14 @@ fn share_load(
         };
         let chunk = if chunk == 0 { fanout::DEFAULT_CHUNK } else { chunk }.min(max_len);
         let planned = plan_selected(paths, selection, handle)?;
+        if !planned.checks.files.is_empty() {
+            return Err(Error::InvalidArgument(
+                "verify= is not supported with process_group= yet: each rank reads part of each file, and no rank \
+                 holds every byte to hash; verify on one rank first (fastsafetensors-rs verify), or load without \
+                 a process_group"
+                    .into(),
+            ));
+        }
         let shared = planned.share(world, max_len, chunk)?;
         let mut buffers = vec![0; planned.tensors.len()];
         for (k, s) in shared.iter().enumerate() {

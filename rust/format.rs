@@ -218,6 +218,9 @@ pub struct Header {
     pub data_start: u64,
     /// Bytes in the data section.
     pub data_len: u64,
+    /// The header's JSON as it was read: what a verified load hashes for the file's first
+    /// bytes, so that the header checked is the header parsed.
+    pub json: Vec<u8>,
 }
 
 impl Header {
@@ -365,7 +368,7 @@ pub fn parse_header(json: &[u8], file_len: u64) -> Result<Header, FormatError> {
         })
         .collect::<Result<Vec<_>, _>>()?;
     let tensors = validate(tensors, data_len)?;
-    Ok(Header { metadata: raw.metadata, tensors, data_start, data_len })
+    Ok(Header { metadata: raw.metadata, tensors, data_start, data_len, json: json.to_vec() })
 }
 
 /// Parses a whole file held in memory.

@@ -23,6 +23,7 @@ use crate::error::Result;
 use crate::plan::{self, IO_ALIGN};
 use crate::source::direct::BlockReader;
 use crate::source::{io_pool, ReadPath};
+use crate::verify::FileCheck;
 
 /// An aligned range of a source (all of it, or one extent) read by `reader`, and where its
 /// first byte goes in device memory (`len` bytes there).
@@ -33,12 +34,14 @@ pub struct StagedFile<'a> {
     pub start: u64,
     /// Bytes of the range: a multiple of 4096.
     pub len: u64,
+    /// A verified load's check of the source, fed from the staging buffers.
+    pub check: Option<&'a FileCheck>,
 }
 
 impl<'a> StagedFile<'a> {
     /// All of the reader's source, its byte 0 at `dst` (`align_up(len, 4096)` bytes there).
     pub fn whole(reader: &'a BlockReader, dst: u64) -> StagedFile<'a> {
-        StagedFile { reader, dst, start: 0, len: plan::align_up(reader.source().len(), IO_ALIGN) }
+        StagedFile { reader, dst, start: 0, len: plan::align_up(reader.source().len(), IO_ALIGN), check: None }
     }
 }
 
@@ -65,7 +68,12 @@ pub fn copy_files<D: Device>(device: &D, files: &[StagedFile], options: &Staging
         jobs.par_iter().try_for_each(|&(i, b)| {
             let mut slot = ring.take()?;
             device.wait(slot.staging())?;
-            files[i].reader.read(&b, device.bytes(slot.staging()))?;
+            let staging = device.bytes(slot.staging());
+            files[i].reader.read(&b, staging)?;
+            if let Some(check) = files[i].check {
+                // Hashed from the slot before its copy is queued (it is reused after).
+                check.landed_transient(b.offset, &staging[..b.expected as usize]);
+            }
             device.copy_async(slot.staging(), b.expected as usize, files[i].dst + (b.offset - files[i].start))
         })
     });

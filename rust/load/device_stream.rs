@@ -54,12 +54,17 @@ pub struct DeviceStream {
     budget: u64,
     groups: Vec<PlannedGroup>,
     staging: StagingOptions,
+    /// A verified stream's checks: a group is handed out after the files before its own
+    /// have passed, and the last group after its file has.
+    checks: load::Checks,
 }
 
 impl DeviceStream {
     /// Plans `planned` (its selection) into groups of at most `options.group` bytes.
     pub fn open(planned: Planned, options: &StreamOptions) -> Result<DeviceStream> {
+        let checks = planned.checks.clone();
         let (sources, groups) = stream::plan_groups(planned, options);
+        stream::check_coverage(&checks, &groups)?;
         let how = load::choose_reads(&sources, groups.iter().map(|(e, _)| e), options.reader, false)?;
         let readers = sources
             .into_iter()
@@ -67,7 +72,7 @@ impl DeviceStream {
             .map(|(src, how)| BlockReader::open(src, how == HostRead::Direct))
             .collect::<Result<Vec<_>>>()?;
         let staging = StagingOptions { block: options.block, ..StagingOptions::default() };
-        Ok(DeviceStream { readers, budget: options.budget, groups, staging })
+        Ok(DeviceStream { readers, budget: options.budget, groups, staging, checks })
     }
 
     pub fn group_count(&self) -> usize {
@@ -119,10 +124,15 @@ impl DeviceStream {
         };
         let reader = &self.readers[extent.file];
         let dst = base.next_multiple_of(IO_ALIGN);
-        let range = StagedFile { reader, dst, start: extent.start, len: extent.len };
+        let check = self.checks.file(extent.file);
+        let range = StagedFile { reader, dst, start: extent.start, len: extent.len, check };
         let path =
             staged::copy_files(device, std::slice::from_ref(&range), &self.staging)?.pop().unwrap_or(ReadPath::NotRead);
         reader.source().check_unchanged()?;
+        // Groups are copied in order: the files before this one are read whole by now.
+        let last_of_file = self.groups.get(k + 1).is_none_or(|(next, _)| next.file != extent.file);
+        let through = if last_of_file { extent.file + 1 } else { extent.file };
+        self.checks.files.iter().take(through).try_for_each(|c| c.finish())?;
         Ok(DeviceCopy { path, offset: dst - base })
     }
 }

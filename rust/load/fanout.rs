@@ -75,7 +75,7 @@ pub fn read_to_cuda(
     let device = CudaDevice::new(Context::primary(ordinal)?, ready)?;
     let direct = source::choose(&**src, reader)? == HostRead::Direct;
     let reader = BlockReader::open(Arc::clone(src), direct)?;
-    let file = StagedFile { reader: &reader, dst, start: offset, len };
+    let file = StagedFile { reader: &reader, dst, start: offset, len, check: None };
     let paths = staged::copy_files(&device, &[file], &StagingOptions::default())?;
     src.check_unchanged()?;
     Ok(paths[0])

@@ -28,9 +28,10 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::error::{Error, Result};
 use crate::format::Header;
-use crate::load::{checkpoint, Planned};
+use crate::load::{checkpoint, Checks, Planned};
 use crate::plan::{self, Placement};
 use crate::source::{self, Source};
+use crate::verify::Verifier;
 
 /// Files opened together, with their headers and where each tensor is.
 pub struct OpenFiles {
@@ -41,6 +42,8 @@ pub struct OpenFiles {
     /// Each file's tensors, as a range of `tensors`.
     file_tensors: Vec<Range<usize>>,
     by_name: HashMap<String, usize>,
+    /// What every load of these files is verified against (`None`: not verified).
+    verifier: Option<Verifier>,
 }
 
 impl OpenFiles {
@@ -73,7 +76,22 @@ impl OpenFiles {
             start += header.tensors.len();
         }
         let by_name = tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
-        Ok(OpenFiles { sources, headers, tensors, file_tensors, by_name })
+        Ok(OpenFiles { sources, headers, tensors, file_tensors, by_name, verifier: None })
+    }
+
+    /// Every later load of these files verified against `verifier`: a file the manifest does
+    /// not list (or whose size differs from what it lists) is an error now.
+    pub fn verified(mut self, verifier: Verifier) -> Result<OpenFiles> {
+        Checks::new(&verifier, &self.sources, &self.headers.iter().collect::<Vec<_>>())?;
+        self.verifier = Some(verifier);
+        Ok(self)
+    }
+
+    /// The checks of a load of files `files` (indexes), fresh for each load.
+    fn checks(&self, files: &[usize]) -> Result<Checks> {
+        let Some(verifier) = &self.verifier else { return Ok(Checks::default()) };
+        let sources: Vec<_> = files.iter().map(|&f| Arc::clone(&self.sources[f])).collect();
+        Checks::new(verifier, &sources, &files.iter().map(|&f| &self.headers[f]).collect::<Vec<_>>())
     }
 
     /// Stops the reads of these files in flight (a load given up: interrupted, or its handle
@@ -109,7 +127,7 @@ impl OpenFiles {
                 .extend(self.tensors[self.file_tensors[f].clone()].iter().map(|t| Placement { file: k, ..t.clone() }));
         }
         let sources = files.iter().map(|&f| Arc::clone(&self.sources[f])).collect();
-        Ok(Planned { sources, tensors })
+        Ok(Planned { sources, tensors, checks: self.checks(&files)? })
     }
 
     /// Rows `[start, stop)` of tensor `name` of file `path`: a plan that reads only their
@@ -119,7 +137,11 @@ impl OpenFiles {
         let missing = || Error::NoSuchTensor { name: name.to_owned(), files: vec![path.to_owned()] };
         let t = self.by_name.get(name).map(|&i| &self.tensors[i]).filter(|t| t.file == file).ok_or_else(missing)?;
         let rows = t.rows(start, stop).map_err(|why| Error::InvalidArgument(format!("{}: {why}", path.display())))?;
-        Ok(Planned { sources: vec![Arc::clone(&self.sources[file])], tensors: vec![Placement { file: 0, ..rows }] })
+        Ok(Planned {
+            sources: vec![Arc::clone(&self.sources[file])],
+            tensors: vec![Placement { file: 0, ..rows }],
+            checks: self.checks(&[file])?,
+        })
     }
 }
 

@@ -35,6 +35,7 @@ use crate::plan::{self, Extent, ExtentPolicy, Placement, IO_ALIGN};
 use crate::settings;
 use crate::source::direct::{self, BlockReader};
 use crate::source::{self, budget, HostBuffer, HostRead, ReadPath, ReaderKind, Source};
+use crate::verify::{FileCheck, Verifier};
 
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
@@ -56,6 +57,76 @@ pub struct Planned {
     pub sources: Vec<Arc<dyn Source>>,
     /// The tensors to load, in file then offset order.
     pub tensors: Vec<Placement>,
+    /// A verified load: each file's check, fed by the reads (empty: not verified).
+    pub checks: Checks,
+}
+
+/// The checks of a verified load, one per file.
+#[derive(Clone, Default)]
+pub struct Checks {
+    pub files: Vec<Arc<FileCheck>>,
+    /// Read the rest of a file a load reads in part, to check its digest.
+    pub full: bool,
+}
+
+impl Checks {
+    /// The checks of `sources` (whose headers are `headers`) against `verifier`.
+    pub fn new(verifier: &Verifier, sources: &[Arc<dyn Source>], headers: &[&Header]) -> Result<Checks> {
+        let files = sources.iter().zip(headers).map(|(s, h)| verifier.check_for(s.path(), h)).collect::<Result<_>>()?;
+        Ok(Checks { files, full: verifier.full })
+    }
+
+    pub fn file(&self, i: usize) -> Option<&FileCheck> {
+        self.files.get(i).map(|c| &**c)
+    }
+
+    /// Every file checked: the first that does not match is the error.
+    pub fn finish(&self) -> Result<()> {
+        self.files.iter().try_for_each(|c| c.finish())
+    }
+
+    /// Makes `extents` read what the checks need: a file read in part is read whole where its
+    /// manifest has one digest for it (with `full`; without, an error before anything is
+    /// read), or the whole of each shard it touches.
+    pub fn widen(&self, extents: Vec<Extent>, tensors: &[Placement], file_lens: &[u64]) -> Result<Vec<Extent>> {
+        if self.files.is_empty() {
+            return Ok(extents);
+        }
+        let mut out = Vec::with_capacity(extents.len());
+        let mut rest = &extents[..];
+        while let Some(first) = rest.first() {
+            let file = first.file;
+            let run = rest.iter().take_while(|e| e.file == file).count();
+            let (mine, later) = rest.split_at(run);
+            rest = later;
+            let wanted: Vec<(u64, u64)> = mine.iter().map(|e| (e.start, e.start + e.expected)).collect();
+            let check = &self.files[file];
+            let covered = |(a, b): (u64, u64)| mine.iter().any(|e| e.start <= a && b <= e.start + e.expected);
+            match check.bytes_to_read(&wanted) {
+                Some(span) if !covered(span) => {
+                    if check.is_whole_file() && !self.full {
+                        return Err(Error::PartialVerify {
+                            path: check.path().to_owned(),
+                            manifest: check.manifest().to_owned(),
+                        });
+                    }
+                    let start = plan::align_down(span.0.min(first.start), IO_ALIGN);
+                    let end = plan::align_up(span.1.max(mine.iter().map(|e| e.start + e.len).max().unwrap_or(0)), IO_ALIGN);
+                    let tensors_of = mine[0].tensors.start..mine[run - 1].tensors.end;
+                    debug_assert!(tensors[tensors_of.clone()].iter().all(|t| t.file == file));
+                    out.push(Extent {
+                        file,
+                        start,
+                        len: end - start,
+                        expected: end.min(file_lens[file]) - start,
+                        tensors: tensors_of,
+                    });
+                }
+                _ => out.extend_from_slice(mine),
+            }
+        }
+        Ok(out)
+    }
 }
 
 /// Opens `paths`, validates every header and the names across files. Nothing is read until
@@ -73,7 +144,7 @@ pub fn plan_sources(sources: Vec<Arc<dyn Source>>) -> Result<Planned> {
     let headers = sources.iter().map(|s| s.header()).collect::<Result<Vec<Header>>>()?;
     let paths: Vec<PathBuf> = sources.iter().map(|s| s.path().to_owned()).collect();
     let tensors = plan::place(&paths, &headers)?;
-    Ok(Planned { sources, tensors })
+    Ok(Planned { sources, tensors, checks: Checks::default() })
 }
 
 /// Reads and validates one file's header without touching its data.
@@ -178,6 +249,7 @@ impl Planned {
     pub fn read_to_host(self, options: &LoadOptions) -> Result<Loaded> {
         let policy = ExtentPolicy { max_gap: options.max_gap, ..ExtentPolicy::default() };
         let extents = plan::plan_extents(&self.tensors, &self.file_lens(), &policy);
+        let extents = self.checks.widen(extents, &self.tensors, &self.file_lens())?;
         let how = choose_reads(&self.sources, &extents, options.reader, true)?;
         let readers = self
             .sources
@@ -186,11 +258,17 @@ impl Planned {
             .map(|(src, &h)| (h == HostRead::Direct).then(|| BlockReader::open(Arc::clone(src), true)).transpose())
             .collect::<Result<Vec<_>>>()?;
         let read = |e: &Extent| -> Result<Arc<HostBuffer>> {
+            let check = self.checks.file(e.file);
             let buffer = match (&readers[e.file], how[e.file]) {
-                (Some(reader), _) => direct::read_extent(reader, e, options.block)?,
+                (Some(reader), _) => direct::read_extent(reader, e, options.block, check)?,
                 (None, h) => {
                     let path = if h == HostRead::MapOverLimit { ReadPath::MmapFallback } else { ReadPath::Mmap };
-                    source::map_extent(&*self.sources[e.file], e, path)?
+                    let map = source::map_extent(&*self.sources[e.file], e, path)?;
+                    if let Some(check) = check {
+                        // SAFETY: the mapping lives until the load returns, after the checks.
+                        unsafe { check.landed(e.start, &map.as_slice()[..e.expected as usize]) };
+                    }
+                    map
                 }
             };
             Ok(Arc::new(buffer))
@@ -209,6 +287,7 @@ impl Planned {
                 src.check_unchanged()?;
             }
         }
+        self.checks.finish()?;
         Ok(Loaded { buffers, extents, tensors: self.tensors, paths })
     }
 
@@ -241,7 +320,17 @@ impl Planned {
         // only aligned ranges without bouncing, and tensors keep the alignment the file gives.
         let dsts: Vec<u64> = targets.iter().map(|t| t.base.next_multiple_of(IO_ALIGN)).collect();
         let mut paths: Vec<Option<ReadPath>> = vec![None; targets.len()];
-        if options.gds != GdsMode::Never && !targets.is_empty() {
+        // GPUDirect Storage moves the bytes past host memory, where nothing can hash them: a
+        // verified load reads through the staging buffers.
+        let verified = !self.checks.files.is_empty();
+        if options.gds == GdsMode::Require && verified {
+            return Err(Error::InvalidArgument(
+                "a verified load hashes the bytes in host memory, which GPUDirect Storage bypasses: \
+                 load without nogds=False"
+                    .into(),
+            ));
+        }
+        if options.gds != GdsMode::Never && !targets.is_empty() && !verified {
             let first = self.sources[targets[0].file].path();
             match cufile {
                 Err(reason) if options.gds == GdsMode::Require => {
@@ -286,7 +375,7 @@ impl Planned {
                 }
             }
         }
-        let staged: Vec<(BlockReader, u64)> = targets
+        let staged: Vec<(BlockReader, u64, Option<&FileCheck>)> = targets
             .iter()
             .zip(&dsts)
             .zip(&paths)
@@ -294,12 +383,20 @@ impl Planned {
             .map(|((t, &dst), _)| {
                 let src = &self.sources[t.file];
                 let direct = source::choose(&**src, options.reader)? == HostRead::Direct;
-                Ok((BlockReader::open(Arc::clone(src), direct)?, dst))
+                Ok((BlockReader::open(Arc::clone(src), direct)?, dst, self.checks.file(t.file)))
             })
             .collect::<Result<Vec<_>>>()?;
-        let staged_files: Vec<_> = staged.iter().map(|(reader, dst)| StagedFile::whole(reader, *dst)).collect();
+        let staged_files: Vec<_> = staged
+            .iter()
+            .map(|(reader, dst, check)| StagedFile { check: *check, ..StagedFile::whole(reader, *dst) })
+            .collect();
         let mut staged_paths = staged::copy_files(device, &staged_files, &options.staging)?.into_iter();
         targets.iter().try_for_each(|t| self.sources[t.file].check_unchanged())?;
+        for t in targets {
+            if let Some(check) = self.checks.file(t.file) {
+                check.finish()?;
+            }
+        }
         Ok(paths
             .into_iter()
             .zip(targets.iter().zip(&dsts))

@@ -42,6 +42,7 @@ use std::thread::JoinHandle;
 
 use crate::error::{Error, Result};
 use crate::source::direct::{self, BlockReader};
+use super::Checks;
 use memmap2::MmapMut;
 
 use crate::load::{self, Planned};
@@ -100,6 +101,32 @@ pub(crate) fn plan_groups(planned: Planned, options: &StreamOptions) -> (Vec<Arc
     (planned.sources, groups)
 }
 
+/// A verified stream hands out only bytes it can check: it reads whole files (or, with a
+/// sharded manifest, whole shards), so a selection that leaves out part of a digest's bytes is
+/// refused before anything is read.
+pub(crate) fn check_coverage(checks: &Checks, groups: &[PlannedGroup]) -> Result<()> {
+    for (file, check) in checks.files.iter().enumerate() {
+        let mine: Vec<&Extent> = groups.iter().map(|(e, _)| e).filter(|e| e.file == file).collect();
+        let wanted: Vec<(u64, u64)> = mine.iter().map(|e| (e.start, e.start + e.expected)).collect();
+        let Some((from, to)) = check.bytes_to_read(&wanted) else { continue };
+        let mut reached = from;
+        for e in &mine {
+            if e.start <= reached {
+                reached = reached.max(e.start + e.expected);
+            }
+        }
+        if reached < to {
+            return Err(Error::InvalidArgument(format!(
+                "{}: a verified stream hands out only what it checks, and this selection reads part of what {} \
+                 has one digest for: stream the whole file, or load the selection with load(..., verify=\"full\")",
+                check.path().display(),
+                check.manifest()
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// The group size for a budget: a quarter of it, so that several groups are read while the
 /// consumer works on one, within [`IO_ALIGN`] and [`DEFAULT_GROUP`].
 pub fn group_for(budget: u64) -> u64 {
@@ -142,13 +169,18 @@ pub struct TensorStream {
     tensors: usize,
     bytes: u64,
     finished: bool,
+    /// A verified stream's checks, and how many files (in order) have passed theirs.
+    checks: Checks,
+    checked: usize,
 }
 
 impl TensorStream {
     /// Starts reading the tensors of `planned` (its selection) in the background.
     pub fn open(planned: Planned, options: StreamOptions) -> Result<TensorStream> {
         let (tensors, bytes) = (planned.tensors.len(), planned.tensors.iter().map(|t| t.nbytes).sum());
+        let checks = planned.checks.clone();
         let (sources, groups) = plan_groups(planned, &options);
+        check_coverage(&checks, &groups)?;
         // Without a budget the caller keeps everything, as a load that returns it all does.
         let keeps_all = options.budget == u64::MAX;
         let how = load::choose_reads(&sources, groups.iter().map(|(e, _)| e), options.reader, keeps_all)?;
@@ -172,6 +204,7 @@ impl TensorStream {
             mapped,
             groups,
             options,
+            checks: checks.clone(),
         };
         let groups = work.groups.len();
         let scheduler =
@@ -190,6 +223,8 @@ impl TensorStream {
             tensors,
             bytes,
             finished: false,
+            checks,
+            checked: 0,
         })
     }
 
@@ -221,9 +256,14 @@ impl TensorStream {
     /// The next group, once all its bytes have arrived; `None` after the last. After an
     /// error the stream is stopped and returns `None`.
     pub fn next_group(&mut self) -> Result<Option<Group>> {
-        if self.finished || self.next == self.groups {
-            self.stop();
+        if self.finished {
             return Ok(None);
+        }
+        if self.next == self.groups {
+            // The last files' digests, before the stream says it is complete.
+            let checked = self.check_files_before(self.sources.len());
+            self.stop();
+            return checked.map(|()| None);
         }
         let index = self.next;
         self.shared.update(|s| s.waiting_for = Some(index));
@@ -231,6 +271,8 @@ impl TensorStream {
         let result = match received {
             Ok(Ok(pending)) => pending.wait(&self.readers).and_then(|group| {
                 self.sources[group.file].check_unchanged()?;
+                // No tensor of a file is handed out before the files before it have passed.
+                self.check_files_before(group.file)?;
                 Ok(group)
             }),
             Ok(Err(e)) => Err(e),
@@ -247,6 +289,16 @@ impl TensorStream {
                 Err(e)
             }
         }
+    }
+
+    /// Finishes the checks of the files before `file` not yet checked (their reads are all
+    /// done: groups are handed out in file order).
+    fn check_files_before(&mut self, file: usize) -> Result<()> {
+        while self.checked < file.min(self.checks.files.len()) {
+            self.checks.files[self.checked].finish()?;
+            self.checked += 1;
+        }
+        Ok(())
     }
 
     /// Group `index` as the scheduler sent it, keeping those that come first for later.
@@ -511,6 +563,7 @@ struct Schedule {
     mapped: Vec<ReadPath>,
     groups: Vec<PlannedGroup>,
     options: StreamOptions,
+    checks: Checks,
 }
 
 impl Schedule {
@@ -584,9 +637,14 @@ impl Schedule {
             tensors,
             read_path,
         };
+        let check = self.checks.files.get(extent.file).cloned();
         let Some(reader) = &self.readers[extent.file] else {
             let path = self.mapped[extent.file];
-            return Ok(Pending { group: group(source::map_extent(&**src, &extent, path)?, path), reads: None });
+            let group = group(source::map_extent(&**src, &extent, path)?, path);
+            if let Some(check) = check {
+                check.landed_in(extent.start, &group.buffer, 0, extent.expected as usize);
+            }
+            return Ok(Pending { group, reads: None });
         };
         let block = plan::io_block(self.options.block);
         let blocks = extent.blocks(src.len(), IO_ALIGN, block);
@@ -599,8 +657,13 @@ impl Schedule {
         let reads = Arc::new(Completion::new(blocks.len()));
         self.shared.update(|s| s.tasks += blocks.len());
         for b in blocks {
-            let (shared, reader, reads, buffer) =
-                (Arc::clone(&self.shared), Arc::clone(reader), Arc::clone(&reads), Arc::clone(&group.buffer));
+            let (shared, reader, reads, buffer, check) = (
+                Arc::clone(&self.shared),
+                Arc::clone(reader),
+                Arc::clone(&reads),
+                Arc::clone(&group.buffer),
+                check.clone(),
+            );
             let at = (b.offset - extent.start) as usize;
             io_pool().spawn(move || {
                 let result = if shared.cancelled() {
@@ -612,8 +675,14 @@ impl Schedule {
                     // A remote read stops waiting once the stream is dropped.
                     let live = Arc::clone(&shared);
                     let wanted: source::Wanted = Arc::new(move || !live.cancelled());
-                    catch_unwind(AssertUnwindSafe(|| source::read_while(wanted, || reader.read(&b, dst))))
-                        .unwrap_or_else(|p| Err(Error::from_panic(p)))
+                    catch_unwind(AssertUnwindSafe(|| {
+                        source::read_while(wanted, || reader.read(&b, dst))?;
+                        if let Some(check) = &check {
+                            check.landed_in(b.offset, &buffer, at, b.expected as usize);
+                        }
+                        Ok(())
+                    }))
+                    .unwrap_or_else(|p| Err(Error::from_panic(p)))
                 };
                 drop(buffer);
                 reads.finish(result);

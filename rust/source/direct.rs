@@ -15,21 +15,34 @@ use rayon::prelude::*;
 use super::{alloc, io_pool, HostBuffer, Identity, LocalFile, ReadPath, Source};
 use crate::error::{Error, Result};
 use crate::plan::{self, Extent, ReadBlock, IO_ALIGN};
+use crate::verify::FileCheck;
 
 /// Reads `extent` of the reader's source into fresh page-aligned memory, `block` bytes per
-/// request, in parallel on the I/O pool.
-pub fn read_extent(reader: &BlockReader, extent: &Extent, block: u64) -> Result<HostBuffer> {
+/// request, in parallel on the I/O pool. With a `check` (a verified load), each block is
+/// reported to it as it lands; the buffer returned must then live until the check finishes.
+pub fn read_extent(reader: &BlockReader, extent: &Extent, block: u64, check: Option<&FileCheck>) -> Result<HostBuffer> {
     let block = plan::io_block(block);
     let mut map = alloc_for_reads(extent.len, reader.src.path())?;
+    // SAFETY (both `landed` calls): the bytes are in `map`, which becomes the buffer returned;
+    // the caller keeps it until the check is finished.
     if reader.src.splits_reads() {
         // One read of the whole extent: the source runs its own parallel requests.
         let b = ReadBlock { offset: extent.start, len: extent.len, expected: extent.expected };
         reader.read(&b, &mut map)?;
+        if let Some(check) = check {
+            unsafe { check.landed(b.offset, &map[..b.expected as usize]) };
+        }
         return Ok(HostBuffer::new(map, reader.path()));
     }
     let blocks = extent.blocks(reader.src.len(), IO_ALIGN, block);
     io_pool().install(|| {
-        blocks.par_iter().zip(map.par_chunks_mut(block as usize)).try_for_each(|(b, dst)| reader.read(b, dst))
+        blocks.par_iter().zip(map.par_chunks_mut(block as usize)).try_for_each(|(b, dst)| {
+            reader.read(b, dst)?;
+            if let Some(check) = check {
+                unsafe { check.landed(b.offset, &dst[..b.expected as usize]) };
+            }
+            Ok(())
+        })
     })?;
     Ok(HostBuffer::new(map, reader.path()))
 }

@@ -165,6 +165,11 @@ impl HostBuffer {
         self.map().as_ptr()
     }
 
+    /// Bytes in the buffer.
+    pub fn byte_len(&self) -> usize {
+        self.map().len()
+    }
+
     pub fn as_slice(&self) -> &[u8] {
         self.map()
     }

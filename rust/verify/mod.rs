@@ -13,6 +13,9 @@ pub mod oms;
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
 
 pub use check::{FileCheck, Verifier};
 
@@ -182,4 +185,69 @@ impl Manifest {
             .max_by_key(|(name, _)| name.len())
             .map(|(name, e)| (name.as_str(), e))
     }
+}
+
+/// What a load is verified against, as the Python package describes it (JSON):
+/// `{"signature": PATH, "public_key": PATH}` (or `"certificate_chain": [PATH…]`, or
+/// `"trusted_root": PATH, "identity": …, "issuer": …`), `{"digests": {NAME: DIGEST}}`, or
+/// `{"location": true}` (what the files' location carries: a Hugging Face cache's blob
+/// names); each with `"full": bool`. `paths` are the load's files.
+pub fn verifier_from_spec(spec: &str, paths: &[PathBuf]) -> Result<Verifier> {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Spec {
+        signature: Option<String>,
+        public_key: Option<String>,
+        certificate_chain: Option<Vec<String>>,
+        trusted_root: Option<String>,
+        identity: Option<String>,
+        issuer: Option<String>,
+        digests: Option<BTreeMap<String, String>>,
+        #[serde(default)]
+        location: bool,
+        #[serde(default)]
+        full: bool,
+    }
+    let bad = |why: String| Error::InvalidArgument(format!("verify=: {why}"));
+    let spec: Spec = serde_json::from_str(spec).map_err(|e| bad(e.to_string()))?;
+    let manifest = match (spec.signature, spec.digests, spec.location) {
+        (Some(signature), None, false) => {
+            let trust = match (spec.public_key, spec.certificate_chain, spec.trusted_root) {
+                (Some(key), None, None) => oms::Trust::PublicKey(key.into()),
+                (None, Some(chain), None) => oms::Trust::CertificateChain(chain.into_iter().map(PathBuf::from).collect()),
+                (None, None, Some(root)) => oms::Trust::Sigstore {
+                    trusted_root: root.into(),
+                    identity: spec.identity.ok_or_else(|| bad("a sigstore signature needs identity=".into()))?,
+                    issuer: spec.issuer.ok_or_else(|| bad("a sigstore signature needs issuer=".into()))?,
+                },
+                _ => {
+                    return Err(bad(
+                        "a Signature takes one of public_key=, certificate_chain= or trusted_root= (with identity= and issuer=)".into(),
+                    ))
+                }
+            };
+            let bundle = read_whole(Path::new(&signature))?;
+            oms::read_signature(&bundle, &signature, &trust)?
+        }
+        (None, Some(digests), false) => manifest::from_digests(&digests)?,
+        (None, None, true) => manifest::from_hf_cache(&paths.iter().map(PathBuf::as_path).collect::<Vec<_>>())?,
+        _ => return Err(bad("give one of a signature, digests or the location".into())),
+    };
+    Ok(Verifier::new(manifest, spec.full))
+}
+
+/// A signature file's bytes, local or at a URL (it is small).
+fn read_whole(path: &Path) -> Result<Vec<u8>> {
+    const MAX: u64 = 64 << 20;
+    let src = crate::source::open(path)?;
+    if src.len() > MAX {
+        return Err(Error::ManifestUnsupported {
+            signature: path.display().to_string(),
+            why: format!("{} bytes: too large for a signature (at most {MAX})", src.len()),
+        });
+    }
+    let mut bytes = vec![0u8; src.len() as usize];
+    let got = src.read_at(&mut bytes, 0)?;
+    bytes.truncate(got);
+    Ok(bytes)
 }
