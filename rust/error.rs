@@ -132,7 +132,7 @@ pub enum Error {
     #[error("{}: digest mismatch (bytes {start}..{end}): expected {expected}, got {actual} ({manifest})", .path.display())]
     DigestMismatch { path: PathBuf, start: u64, end: u64, expected: String, actual: String, manifest: String },
     /// A load that reads part of a file cannot check a digest of the whole file.
-    #[error("{}: {manifest} has a digest of the whole file, but this load reads only part of it; pass verify=\"full\" to read the rest and check it, or load the whole file", .path.display())]
+    #[error("{}: {manifest} has a digest of the whole file, but this load reads only part of it: pass full=True to the Signature or Digests (or verify=\"full\" for verify=True) to read the rest and check it, or load the whole file", .path.display())]
     PartialVerify { path: PathBuf, manifest: String },
 }
 

@@ -16,6 +16,7 @@ from ._ops import LIBRARY_PATH, ops
 from ._errors import SafetensorError
 from .api import load, load_bytes, load_file, release_staging_buffers, safe_open, stream
 from .distributed import node_group
+from .verify import Digests, Signature
 
 __version__ = "0.1.0"
 
@@ -39,7 +40,7 @@ _LAZY = {
 _SUBMODULES = {"cli", "compat", "distributed", "integrations", "loader", "parallel_loader", "progress", "transformers_patch",
                "vllm_plugin", "weights"}
 
-__all__ = ["LIBRARY_PATH", "SafetensorError", "enable_logging", "load", "load_bytes", "load_file", "node_group", "ops",
+__all__ = ["Digests", "LIBRARY_PATH", "SafetensorError", "Signature", "enable_logging", "load", "load_bytes", "load_file", "node_group", "ops",
            "release_staging_buffers", "safe_open", "stream", "__version__", *_LAZY]
 
 # What importing the integrations did eagerly, kept eager: FASTSAFETENSORS_LOG is applied and

@@ -36,6 +36,8 @@ from ._errors import (INVALID_ARGUMENT, InvalidBackendError, SafetensorError, Te
 from ._logging import level_from_env, redact
 from ._ops import checkpoint_files, ops
 from .progress import progress_from_env
+from .verify import Verify
+from .verify import spec as verify_spec
 
 logger = logging.getLogger("fastsafetensors_rs")
 T = TypeVar("T")
@@ -278,6 +280,7 @@ def load(
     process_group: Optional[ProcessGroup] = None,
     shard: Optional[Mapping[str, int]] = None,
     cache_dir: Optional[PathLike] = None,
+    verify: Verify = None,
 ) -> Dict[str, torch.Tensor]:
     """Loads every tensor (or the selected ones) of one or more files into one dict.
 
@@ -317,6 +320,10 @@ def load(
         cache_dir: for URLs, a local directory where each object read whole is kept, keyed by
             URL and version, so that the next load of that version reads the local copy (see
             docs/remote.md). None: `$FASTSAFETENSORS_CACHE_DIR`, if set. Local files ignore it.
+        verify: `fastsafetensors_rs.Signature(...)`, `fastsafetensors_rs.Digests({...})`,
+            True or "full" (see `fastsafetensors_rs.verify` and docs/verify.md): every file read
+            is hashed as its bytes land, and the load returns only once every file matches;
+            a mismatch raises an error naming the file and no tensor is returned.
 
     The tensors own their memory: no handle needs closing, and a buffer is freed when the last
     tensor into it is gone. With the "auto" reader, files whose direct reads would not fit in
@@ -324,7 +331,8 @@ def load(
     """
     if _is_serialized(files):
         given = [name for name, value in (("reader", reader), ("nogds", nogds), ("process_group", process_group),
-                                          ("shard", shard), ("cache_dir", cache_dir)) if value is not None]
+                                          ("shard", shard), ("cache_dir", cache_dir), ("verify", verify))
+                 if value is not None]
         if given:
             raise ValueError(f"load(data) of serialized bytes takes device, dtype and tensor_filter only, "
                              f"not {', '.join(given)} (they apply to files)")
@@ -336,6 +344,9 @@ def load(
     patterns, mode = _filter_args(tensor_filter, tensor_name_match_mode, paths)
     target, cast = _device_name(device), cast_dtype(dtype)
     cache = _cache_dir(cache_dir)
+    checked = verify_spec(verify)
+    if checked is not None and (shard is not None or _shared(process_group)):
+        raise ValueError(_VERIFY_SHARED)
     if shard is not None:
         if process_group is None:
             raise ValueError("shard= splits tensors over the ranks of a process_group: pass one")
@@ -348,7 +359,7 @@ def load(
             out = dict(pair for buffer in shared.buffers() for pair in buffer)
     else:
         def run(load: Optional[_Interruptible]) -> Dict[str, torch.Tensor]:
-            with _opened(paths, cache, load) as (files, handle):
+            with _opened(paths, cache, load, checked) as (files, handle):
                 return _load(files, target, cast, reader, nogds, patterns, mode, handle)
 
         out = _Interruptible(target).run(run) if any(map(is_url, paths)) else run(None)
@@ -417,6 +428,11 @@ class _Interruptible:
         return _interruptible(lambda: load(self), self._device, self._interrupt)
 
 
+_VERIFY_SHARED = ("verify= is not supported with process_group= (or shard=) yet: each rank reads part of each "
+                  "file, and no rank holds every byte to hash. Verify the files once first (fastsafetensors-rs "
+                  "verify), or load each rank's copy without a group")
+
+
 def _cache_dir(cache_dir: Optional[PathLike]) -> Optional[str]:
     if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
         raise TypeError(f"cache_dir= takes a directory path, not {type(cache_dir).__name__}")
@@ -424,17 +440,18 @@ def _cache_dir(cache_dir: Optional[PathLike]) -> Optional[str]:
 
 
 @contextlib.contextmanager
-def _opened(paths: List[str], cache_dir: Optional[str],
-            interruptible: Optional[_Interruptible] = None) -> Iterator[Tuple[List[str], int]]:
+def _opened(paths: List[str], cache_dir: Optional[str], interruptible: Optional[_Interruptible] = None,
+            verify: Optional[str] = None) -> Iterator[Tuple[List[str], int]]:
     """`(paths, -1)` for local paths without a `cache_dir` (the ops open the paths themselves);
     else the files they stand for, and a handle on them, opened with that cache (closed on
     exit: the loads and streams started from it keep what they read from). URLs always get
-    a handle: it is what cancels their requests on Ctrl-C (`_Interruptible`)."""
-    if cache_dir is None and not any(map(is_url, paths)):
+    a handle: it is what cancels their requests on Ctrl-C (`_Interruptible`). So does a
+    verified load (`verify`: the op's argument): the handle checks every load from it."""
+    if cache_dir is None and verify is None and not any(map(is_url, paths)):
         yield paths, -1
         return
     files = _files_of(paths)
-    handle = ops.open_handle(files, cache_dir)
+    handle = ops.open_handle(files, cache_dir, verify)
     try:
         if interruptible is not None:
             interruptible.opened(handle)
@@ -478,6 +495,7 @@ def load_file(
     shard: Optional[Mapping[str, int]] = None,
     cache_dir: Optional[PathLike] = None,
     backend: Optional[str] = None,
+    verify: Verify = None,
 ) -> Dict[str, torch.Tensor]:
     """Loads one file (or a checkpoint directory or index), like
     `safetensors.torch.load_file`. See `load` for the arguments; `backend`: safetensors
@@ -486,7 +504,7 @@ def load_file(
     reader = _reader_or_backend(reader, backend)
     return load([filename], device=device, dtype=dtype, reader=reader, nogds=nogds, tensor_filter=tensor_filter,
                 tensor_name_match_mode=tensor_name_match_mode, process_group=process_group, shard=shard,
-                cache_dir=cache_dir)
+                cache_dir=cache_dir, verify=verify)
 
 
 def _is_serialized(files: Any) -> bool:
@@ -568,6 +586,7 @@ def stream(
     max_memory: Union[None, int, str] = None,
     process_group: Optional[ProcessGroup] = None,
     cache_dir: Optional[PathLike] = None,
+    verify: Verify = None,
 ) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yields `(name, tensor)` for the selected tensors of `files`, in file order and within a
     file in the order of the data, each as soon as the group of tensors it was read with has
@@ -582,6 +601,11 @@ def stream(
         files, device, dtype, reader, tensor_filter, tensor_name_match_mode, process_group,
         cache_dir: as in `load`. With a group, every rank must iterate to the end (or close the
             iterator at the same point): the exchange needs all of them.
+        verify: as in `load`. Tensors are handed out as they arrive, and each file is checked
+            once its last bytes have: a file that does not match ends the stream with that
+            error before any tensor of a later file is handed out (tensors of the failing file
+            may have been handed out already: use `load`, or `safe_open`, to get nothing from a
+            file before it is checked). A verified stream reads whole files.
 
     Memory a yielded tensor keeps alive: the buffer of the group it was read with, at most
     `max(group size, its own size)`, where a group is a quarter of `max_memory`, at most 32 MiB
@@ -599,6 +623,9 @@ def stream(
     patterns, mode = _filter_args(tensor_filter, tensor_name_match_mode, paths)
     target, cast = _device_name(device), cast_dtype(dtype)
     cache = _cache_dir(cache_dir)
+    checked = verify_spec(verify)
+    if checked is not None and _shared(process_group):
+        raise ValueError(_VERIFY_SHARED)
     if _shared(process_group):
         shared = distributed.SharedLoad(paths, target, cast, reader, patterns, mode, process_group, budget, True,
                                         cache_dir=cache)
@@ -608,7 +635,7 @@ def stream(
         # The iterator holds the files open: Ctrl-C while it waits cancels their requests.
         def open_remote(load: _Interruptible) -> TensorIterator:
             files = _files_of(paths)
-            handle = ops.open_handle(files, cache)
+            handle = ops.open_handle(files, cache, checked)
             try:
                 load.opened(handle)
                 opened = _ops.open_stream(files, target, cast, reader, patterns, mode, budget, handle)
@@ -620,7 +647,7 @@ def stream(
         iterator = _Interruptible(target).run(open_remote)
         _nothing_selected(patterns, mode, iterator.tensor_count, paths)
         return iterator
-    with _opened(paths, cache) as (files, handle):
+    with _opened(paths, cache, None, checked) as (files, handle):
         opened = _ops.open_stream(files, target, cast, reader, patterns, mode, budget, handle)
     _nothing_selected(patterns, mode, opened.tensor_count(), paths)
     return TensorIterator(opened)
@@ -745,7 +772,10 @@ class safe_open:
     (`close()`, the end of its `with` block), every method raises `SafetensorError` ("the
     safe_open handle is closed"), as safetensors' does. With several files,
     `metadata()` is the first file's. Each path is one `.safetensors` file: a directory or an
-    index is refused (load those with `load_file`). `cache_dir`: as in `load`.
+    index is refused (load those with `load_file`). `cache_dir`: as in `load`. `verify`: as in
+    `load`; a verified handle reads a file whole on its first `get_tensor` and returns its
+    tensors only once the file has passed (`get_slice` rows need `full=True`, as a filtered
+    `load` does).
     """
 
     @mapped_errors
@@ -762,6 +792,7 @@ class safe_open:
         cache_dir: Optional[PathLike] = None,
         *,
         backend: Optional[str] = None,
+        verify: Verify = None,
     ):
         if framework not in ("pt", "torch", "pytorch"):
             raise ValueError(f"framework {framework!r} is not supported: only 'pt' (PyTorch)")
@@ -780,7 +811,10 @@ class safe_open:
         self._lock = threading.Lock()
         # The files, held open from here to close(): every op below reads them through it.
         cache = _cache_dir(cache_dir)
-        self._handle: int = ops.open_handle(self._paths, cache)
+        checked = verify_spec(verify)
+        # A verified handle hands out a file's tensors only once the file has passed.
+        self._verified = checked is not None
+        self._handle: int = ops.open_handle(self._paths, cache, checked)
         try:
             if callable(tensor_filter):  # asked about the names of the files opened
                 self._patterns, self._mode = _filter_args(tensor_filter, tensor_name_match_mode, self._paths,
@@ -910,7 +944,8 @@ class safe_open:
 class _FileReader:
     """The tensors of one file of a `safe_open` handle, kept once read. On the CPU the file is
     streamed from its start on the first request, which then waits only for the group holding
-    its tensor; for CUDA it is loaded in one bulk load (GPUDirect Storage or staged copies)."""
+    its tensor; for CUDA, or a verified handle, it is loaded in one bulk load (GPUDirect Storage
+    or staged copies; verified before anything of it is returned)."""
 
     def __init__(self, handle: safe_open, path: str):
         # Not a reference: the handle holds its readers, and a cycle would keep a dropped handle
@@ -928,7 +963,7 @@ class _FileReader:
                 return self.arrived[name]
             h = self._handle
             check_settings()  # as every load does
-            if h._device != "cpu":
+            if h._device != "cpu" or h._verified:
                 self.arrived = _load([self._path], h._device, None, h._reader, h._nogds, h._patterns, h._mode,
                                      h._handle)
             elif self._stream is None:

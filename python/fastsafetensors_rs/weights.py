@@ -31,6 +31,8 @@ import torch
 from . import api
 from .api import Device, PathLike
 from .progress import ByteProgress, progress, progress_enabled
+from .verify import Verify
+from .verify import spec as verify_spec
 
 logger = logging.getLogger("fastsafetensors_rs")
 
@@ -61,6 +63,7 @@ def weights_iterator(
     tensor_name_match_mode: str = "glob",
     max_memory: Union[None, int, str] = None,
     process_group: Optional[api.ProcessGroup] = None,
+    verify: Verify = None,
 ) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yields `(name, tensor)` for every tensor (or the selected ones) of `files`, file by file.
 
@@ -83,6 +86,8 @@ def weights_iterator(
             device memory.
         process_group: the ranks that read the files together, each byte once, exchanging the
             rest (see `fastsafetensors_rs.distributed`); every rank of it must iterate alike.
+        verify: as in `fastsafetensors_rs.stream`: a file that does not match its manifest ends
+            the iteration with an error before any tensor of a later file.
 
     Malformed arguments raise here, at the call; a file that cannot be read raises
     `RuntimeError` naming it at the first `next()`.
@@ -94,24 +99,26 @@ def weights_iterator(
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     reader, nogds, budget = api._reader(reader), api._nogds(nogds), api._max_memory(max_memory)
     target = api._device_name(device)
+    verify_spec(verify)  # malformed: raised here
     return _weights(paths, use_tqdm_on_load, target, dtype, reader, nogds, prefetch, tensor_filter,
-                    tensor_name_match_mode, budget, process_group)
+                    tensor_name_match_mode, budget, process_group, verify)
 
 
 def _weights(paths: List[str], use_tqdm_on_load: Optional[bool], target: str, dtype: Optional[torch.dtype],
              reader: Optional[str], nogds: Optional[bool], prefetch: int, tensor_filter: api.TensorFilter,
              tensor_name_match_mode: str, max_memory: Optional[str],
-             process_group: Optional[api.ProcessGroup] = None) -> Iterator[Tuple[str, torch.Tensor]]:
+             process_group: Optional[api.ProcessGroup] = None, verify: Verify = None
+             ) -> Iterator[Tuple[str, torch.Tensor]]:
     show = progress_enabled(use_tqdm_on_load, default=False)
     logger.debug("weights_iterator: %d file(s) to %s, %s", len(paths), target, _reader_reason(reader))
     if target == "cpu" or (nogds is not False and prefetch == 0):
         yield from _streamed(paths, show, device=target, dtype=dtype, reader=reader, tensor_filter=tensor_filter,
                              tensor_name_match_mode=tensor_name_match_mode, max_memory=max_memory,
-                             process_group=process_group)
+                             process_group=process_group, verify=verify)
         return
     yield from _file_by_file(paths, show, prefetch, device=target, dtype=dtype, reader=reader, nogds=nogds,
                              tensor_filter=tensor_filter, tensor_name_match_mode=tensor_name_match_mode,
-                             process_group=process_group)
+                             process_group=process_group, verify=verify)
 
 
 def _streamed(paths: List[str], show: bool, **options) -> Iterator[Tuple[str, torch.Tensor]]:

@@ -111,7 +111,8 @@ impl Checks {
                         });
                     }
                     let start = plan::align_down(span.0.min(first.start), IO_ALIGN);
-                    let end = plan::align_up(span.1.max(mine.iter().map(|e| e.start + e.len).max().unwrap_or(0)), IO_ALIGN);
+                    let end =
+                        plan::align_up(span.1.max(mine.iter().map(|e| e.start + e.len).max().unwrap_or(0)), IO_ALIGN);
                     let tensors_of = mine[0].tensors.start..mine[run - 1].tensors.end;
                     debug_assert!(tensors[tensors_of.clone()].iter().all(|t| t.file == file));
                     out.push(Extent {

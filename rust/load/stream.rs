@@ -40,9 +40,9 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 
+use super::Checks;
 use crate::error::{Error, Result};
 use crate::source::direct::{self, BlockReader};
-use super::Checks;
 use memmap2::MmapMut;
 
 use crate::load::{self, Planned};
@@ -118,7 +118,7 @@ pub(crate) fn check_coverage(checks: &Checks, groups: &[PlannedGroup]) -> Result
         if reached < to {
             return Err(Error::InvalidArgument(format!(
                 "{}: a verified stream hands out only what it checks, and this selection reads part of what {} \
-                 has one digest for: stream the whole file, or load the selection with load(..., verify=\"full\")",
+                 has one digest for: stream the whole file, or load the selection with load(), whose full=True reads the rest to check it",
                 check.path().display(),
                 check.manifest()
             )));

@@ -12,7 +12,8 @@ use crate::error::{Error, Result};
 pub fn from_digests(digests: &BTreeMap<String, String>) -> Result<Manifest> {
     let mut files = BTreeMap::new();
     for (name, text) in digests {
-        let digest = Digest::parse(text.trim()).map_err(|why| Error::InvalidArgument(format!("Digests: {name}: {why}")))?;
+        let digest =
+            Digest::parse(text.trim()).map_err(|why| Error::InvalidArgument(format!("Digests: {name}: {why}")))?;
         files.insert(name.trim_start_matches("./").to_owned(), Expected::Whole(digest));
     }
     Ok(Manifest { files, origin: "the digests given".into() })
@@ -35,10 +36,8 @@ fn hf_blob_digest(path: &Path) -> std::result::Result<Digest, String> {
     const NOTHING: &str = "verify=True checks a file against what its location carries, and this path carries no \
                            digest (it is not a link from a Hugging Face cache snapshot to a blob named by its sha256): \
                            pass verify=Signature(...) or verify=Digests({...})";
-    let in_snapshot = path
-        .parent()
-        .and_then(Path::parent)
-        .is_some_and(|p| p.file_name().is_some_and(|n| n == "snapshots"));
+    let in_snapshot =
+        path.parent().and_then(Path::parent).is_some_and(|p| p.file_name().is_some_and(|n| n == "snapshots"));
     let target = std::fs::read_link(path).map_err(|_| NOTHING.to_owned())?;
     let blob_dir_ok = target.components().rev().nth(1).is_some_and(|c| c == Component::Normal("blobs".as_ref()));
     let name = target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
@@ -69,7 +68,8 @@ mod tests {
         .unwrap();
         assert_eq!(m.files.len(), 3);
         assert!(matches!(&m.files["b.safetensors"], Expected::Whole(d) if d.hex() == hex));
-        let bad = |text: &str| from_digests(&BTreeMap::from([("a".to_owned(), text.to_owned())])).unwrap_err().to_string();
+        let bad =
+            |text: &str| from_digests(&BTreeMap::from([("a".to_owned(), text.to_owned())])).unwrap_err().to_string();
         assert!(bad("md5:00").contains("'md5' is not supported"), "{}", bad("md5:00"));
         assert!(bad("sha256:xyz").contains("not a hex digest"));
         assert!(bad("sha256:abcd").contains("64 hex digits"));

@@ -104,9 +104,8 @@ pub struct Digest {
 impl Digest {
     /// A digest from its algorithm's name and its hex digits; `why` says what is wrong.
     pub fn from_hex(algorithm: &str, hex: &str) -> Result<Digest, String> {
-        let algorithm = Algorithm::from_name(algorithm).ok_or_else(|| {
-            format!("hash algorithm '{algorithm}' is not supported (sha256, blake2 and blake3 are)")
-        })?;
+        let algorithm = Algorithm::from_name(algorithm)
+            .ok_or_else(|| format!("hash algorithm '{algorithm}' is not supported (sha256, blake2 and blake3 are)"))?;
         let bytes = parse_hex(hex).ok_or_else(|| format!("'{hex}' is not a hex digest"))?;
         if bytes.len() != algorithm.digest_len() {
             return Err(format!(
@@ -179,8 +178,7 @@ impl Manifest {
         self.files
             .iter()
             .filter(|(name, _)| {
-                path == name.as_str()
-                    || path.strip_suffix(name.as_str()).is_some_and(|head| head.ends_with('/'))
+                path == name.as_str() || path.strip_suffix(name.as_str()).is_some_and(|head| head.ends_with('/'))
             })
             .max_by_key(|(name, _)| name.len())
             .map(|(name, e)| (name.as_str(), e))

@@ -1,0 +1,115 @@
+"""What a verified load checks its bytes against: `Signature`, `Digests`, or `True`.
+
+Every entry point that loads (`load`, `load_file`, `stream`, `safe_open`, `weights_iterator`,
+the fastsafetensors-compatible loader) takes `verify=`:
+
+- `Signature("model.sig", public_key="key.pub")` (or `certificate_chain=[...]`): an OpenSSF
+  model-signing signature (`model_signing sign key|certificate`), checked offline; every file
+  loaded must be listed in it and hash to what it lists.
+- `Digests({"model.safetensors": "sha256:<hex>", ...})`: digests the caller trusts.
+- `True`: what the files' location carries: a Hugging Face cache snapshot's links to blobs
+  named by the sha256 of their bytes. `"full"`: the same, with `full=True`.
+
+The bytes are hashed as they land in the load's own buffers, in the same pass as the load;
+no tensor of a file that fails is handed out. See docs/verify.md.
+"""
+
+import json
+import os
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Union
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def _fspath(path: PathLike) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"expected a path, not {type(path).__name__}")
+    return os.fspath(path)
+
+
+class Signature:
+    """An OpenSSF model-signing (OMS) signature and what it is checked against: the signer's
+    PEM `public_key` (`model_signing sign key`), or the PEM `certificate_chain` up to a root
+    you trust (`model_signing sign certificate`). Sigstore (keyless) bundles name a
+    `trusted_root`, `identity` and `issuer`; they are refused in one line (verify those with
+    `model_signing verify sigstore`). `full=True`: a load of part of a file (a
+    `tensor_filter`, `get_slice`) reads the rest of it too, to check the file's digest;
+    without it such a load is refused. The signature may be a URL (beside remote weights)."""
+
+    def __init__(self, path: PathLike, *, public_key: Optional[PathLike] = None,
+                 certificate_chain: Optional[Iterable[PathLike]] = None, trusted_root: Optional[PathLike] = None,
+                 identity: Optional[str] = None, issuer: Optional[str] = None, full: bool = False):
+        self.path = _fspath(path)
+        given = [n for n, v in (("public_key", public_key), ("certificate_chain", certificate_chain),
+                                ("trusted_root", trusted_root)) if v is not None]
+        if len(given) != 1:
+            raise ValueError("Signature takes one of public_key=, certificate_chain= or trusted_root= "
+                             f"(with identity= and issuer=), not {' and '.join(given) or 'none'}")
+        self.public_key = None if public_key is None else _fspath(public_key)
+        self.certificate_chain = None if certificate_chain is None else [_fspath(p) for p in certificate_chain]
+        self.trusted_root = None if trusted_root is None else _fspath(trusted_root)
+        self.identity, self.issuer, self.full = identity, issuer, bool(full)
+
+    def _spec(self) -> Dict[str, Any]:
+        spec: Dict[str, Any] = {"signature": self.path, "full": self.full}
+        for key in ("public_key", "certificate_chain", "trusted_root", "identity", "issuer"):
+            if getattr(self, key) is not None:
+                spec[key] = getattr(self, key)
+        return spec
+
+    def __repr__(self) -> str:
+        return f"Signature({self.path!r})"
+
+
+class Digests:
+    """Digests the caller trusts: `{file name: "sha256:<hex>"}` (also `blake2:`/`blake3:`; a
+    bare 64-digit hex string is a sha256). Names are relative to the checkpoint's directory
+    (a bare file name for a file at its top). `full`: as for `Signature`."""
+
+    def __init__(self, digests: Mapping[str, str], *, full: bool = False):
+        if not isinstance(digests, Mapping):
+            raise TypeError(f"Digests takes a mapping of file name to digest, not {type(digests).__name__}")
+        self.digests = {str(k): str(v) for k, v in digests.items()}
+        self.full = bool(full)
+
+    def _spec(self) -> Dict[str, Any]:
+        return {"digests": self.digests, "full": self.full}
+
+    def __repr__(self) -> str:
+        return f"Digests({len(self.digests)} files)"
+
+
+Verify = Union[None, bool, str, Signature, Digests]
+
+
+def spec(verify: Verify) -> Optional[str]:
+    """The op's `verify` argument for a `verify=` value (None for an unverified load)."""
+    if verify is None or verify is False:
+        return None
+    if verify is True or verify == "full":
+        return json.dumps({"location": True, "full": verify == "full"})
+    if isinstance(verify, (Signature, Digests)):
+        return json.dumps(verify._spec())
+    raise TypeError("verify= takes fastsafetensors_rs.Signature(...), fastsafetensors_rs.Digests({...}), True or "
+                    f"'full', not {verify!r}")
+
+
+def from_config(config: Union[None, bool, str, Mapping[str, Any]]) -> Verify:
+    """A `verify=` value from plain data (the vLLM plugin's extra config, the CLI):
+    `{"signature": PATH, "public_key": PATH}`, `{"signature": ..., "certificate_chain": [...]}`,
+    `{"digests": {...}}`, True or "full"; each dict may add `"full": true`."""
+    if config is None or isinstance(config, (bool, str)):
+        return config
+    if not isinstance(config, Mapping):
+        raise TypeError(f"verify: expected a mapping, True or 'full', not {type(config).__name__}")
+    options = dict(config)
+    full = bool(options.pop("full", False))
+    if "digests" in options:
+        return Digests(options.pop("digests"), full=full)
+    if "signature" in options:
+        path = options.pop("signature")
+        return Signature(path, full=full, **options)
+    raise ValueError(f"verify: expected 'signature' or 'digests' in {sorted(config)}")
+
+
+__all__: List[str] = ["Signature", "Digests"]
