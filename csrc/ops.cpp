@@ -526,6 +526,10 @@ std::tuple<Strings, std::optional<std::string>, Strings> checkpoint(std::string 
 double resident_fraction(std::string file) { return call_rust([&] { return rs::resident_fraction(file); }); }
 
 // A handle on `files`, opened now: the ops taking it read those, whatever becomes of the paths.
+Strings verify_tree(std::string dir, std::string verify) {
+  return from_rust(call_rust([&] { return rs::verify_tree(dir, verify); }));
+}
+
 int64_t open_handle(Strings files, std::optional<std::string> cache_dir, std::optional<std::string> verify) {
   return call_rust([&] { return rs::open_handle(to_rust(files), cache_dir.value_or(""), verify.value_or("")); });
 }
@@ -579,6 +583,7 @@ FST_LIBRARY(m) {
         " -> (str[] names, str[] dtypes, int[][] shapes, str[]? metadata_keys, str[]? metadata_values)");
   m.def("open_handle(str[] files, str? cache_dir=None, str? verify=None) -> int");
   m.def("close_handle(int handle) -> bool");
+  m.def("verify_tree(str dir, str verify) -> str[]");
   m.def("cancel_handle(int handle) -> bool");
 }
 
@@ -602,6 +607,7 @@ FST_LIBRARY_IMPL(m) {
   m.impl("metadata", FST_KERNEL(metadata));
   m.impl("describe", FST_KERNEL(describe));
   m.impl("open_handle", FST_KERNEL(open_handle));
+  m.impl("verify_tree", FST_KERNEL(verify_tree));
   m.impl("close_handle", FST_KERNEL(close_handle));
   m.impl("cancel_handle", FST_KERNEL(cancel_handle));
 }

@@ -135,6 +135,10 @@ mod ffi {
         /// Stops the reads of `handle`'s files in flight, in every load and stream from them
         /// (a load interrupted); false if it was not open.
         fn cancel_handle(handle: i64) -> bool;
+        /// Every file of directory `dir` checked against what `verify` names (JSON, as for
+        /// `open_handle`): one line per file, "status\tname\tdetail", status one of ok,
+        /// missing, extra, changed, unreadable.
+        fn verify_tree(dir: &str, verify: &str) -> Result<Vec<String>>;
 
         /// Records an event on `stream`, torch's current stream (a `cudaStream_t`) on CUDA
         /// device `ordinal`, for `ready` below. The extension keeps it until the copies given
@@ -517,6 +521,34 @@ fn open_handle(paths: &Vec<String>, cache_dir: &str, verify: &str) -> Result<i64
             files = files.verified(crate::verify::verifier_from_spec(verify, &paths)?)?;
         }
         Ok(HANDLES.insert(files))
+    })
+}
+
+fn verify_tree(dir: &str, verify: &str) -> Result<Vec<String>> {
+    use crate::verify::Verdict;
+    guard(|| {
+        let dir = Path::new(dir);
+        let verifier = crate::verify::verifier_from_spec(verify, &[])?;
+        let skip: Vec<PathBuf> = serde_json::from_str::<serde_json::Value>(verify)
+            .ok()
+            .and_then(|v| v.get("signature").and_then(|s| s.as_str()).map(PathBuf::from))
+            .into_iter()
+            .collect();
+        let verdicts = crate::verify::verify_tree(dir, &verifier.manifest, &skip)?;
+        Ok(verdicts
+            .into_iter()
+            .map(|(name, v)| match v {
+                Verdict::Ok => format!("ok\t{name}\t"),
+                Verdict::Missing => {
+                    format!("missing\t{name}\tlisted in {}, not in the directory", verifier.manifest.origin)
+                }
+                Verdict::Extra => format!("extra\t{name}\tnot listed in {}", verifier.manifest.origin),
+                Verdict::Changed { start, end, expected, actual } => {
+                    format!("changed\t{name}\tbytes {start}..{end}: expected {expected}, got {actual}")
+                }
+                Verdict::Unreadable(why) => format!("unreadable\t{name}\t{why}"),
+            })
+            .collect())
     })
 }
 

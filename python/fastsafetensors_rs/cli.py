@@ -34,6 +34,8 @@ from ._dtypes import DTYPES, nbytes, numel
 from ._logging import enable_logging, redact
 from ._ops import ops
 from .progress import ByteProgress, progress, progress_enabled
+from .verify import Digests, Signature
+from .verify import spec as verify_spec
 
 logger = logging.getLogger("fastsafetensors_rs")
 
@@ -204,8 +206,34 @@ def _print_totals(totals: Dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------- verify
 
 
+def _signed(args: argparse.Namespace) -> Optional[Any]:
+    """The `verify=` value the --signature/--digests options describe, or None."""
+    if args.digests is not None:
+        if args.signature is not None:
+            raise UsageError("give --signature or --digests, not both")
+        try:
+            with open(args.digests, encoding="utf-8") as f:
+                return Digests(json.load(f))
+        except (OSError, ValueError, TypeError) as e:
+            raise UsageError(f"--digests {args.digests}: {e}") from None
+    if args.signature is None:
+        if args.public_key or args.certificate_chain:
+            raise UsageError("--public-key and --certificate-chain go with --signature")
+        return None
+    try:
+        return Signature(args.signature, public_key=args.public_key,
+                         certificate_chain=args.certificate_chain or None)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def cmd_verify(args: argparse.Namespace) -> Tuple[Dict[str, Any], bool]:
-    """Header rules, then every byte of every tensor read, then the cross-file checks."""
+    """With a signature or digests: every file of the directory against them (weights or
+    not). Without: header rules, then every byte of every tensor read, then the cross-file
+    checks."""
+    signed = _signed(args)
+    if signed is not None:
+        return _verify_signed(args, signed)
     ckpts = expand_paths(args.paths)
     files = _describe_all(ckpts)
     show = progress_enabled(args.progress, default=True)
@@ -231,6 +259,29 @@ def cmd_verify(args: argparse.Namespace) -> Tuple[Dict[str, Any], bool]:
         n_bad = sum(not f["valid"] for f in files)
         print(f"{len(files) - n_bad} of {len(files)} file(s) valid" + (f", {len(problems)} problem(s)" if problems else ""))
     return result, ok
+
+
+def _verify_signed(args: argparse.Namespace, signed: Any) -> Tuple[Dict[str, Any], bool]:
+    """`verify --signature/--digests DIR`: each file of DIR hashed once and compared; each
+    missing, extra or changed one named."""
+    if len(args.paths) != 1 or not os.path.isdir(args.paths[0]):
+        raise UsageError("verify --signature/--digests checks one model directory: pass it alone")
+    try:
+        lines = ops.verify_tree(args.paths[0], verify_spec(signed))
+    except RuntimeError as e:
+        result = {"command": "verify", "valid": False, "error": str(e), "files": []}
+        if not args.json:
+            print(f"FAILED  {e}")
+        return result, False
+    files = [dict(zip(("status", "name", "detail"), line.split("\t", 2))) for line in lines]
+    ok = bool(files) and all(f["status"] == "ok" for f in files)
+    if not args.json:
+        for f in files:
+            print(f"{f['status'] if f['status'] != 'ok' else 'ok':<10} {f['name']}"
+                  + (f"\n    {f['detail']}" if f["detail"] else ""))
+        bad = sum(f["status"] != "ok" for f in files)
+        print(f"{len(files) - bad} of {len(files)} file(s) verified" + (f", {bad} failed" if bad else ""))
+    return {"command": "verify", "valid": ok, "files": files}, ok
 
 
 def _verify_data(f: Dict[str, Any], args: argparse.Namespace) -> None:
@@ -451,7 +502,13 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the loader's reader (default: $FASTSAFETENSORS_READER, else auto)")
 
     p = sub.add_parser("verify", parents=[common, loading],
-                       help="check every format rule and read every byte; exit 1 on a bad file")
+                       help="check every format rule and read every byte, or (with --signature or --digests) "
+                            "every file against a signed manifest; exit 1 on a bad file")
+    p.add_argument("--signature", help="an OpenSSF model-signing signature (model.sig) of the directory")
+    p.add_argument("--public-key", help="the signer's PEM public key (model_signing sign key)")
+    p.add_argument("--certificate-chain", action="append", metavar="PEM",
+                   help="a certificate of the signer's chain (model_signing sign certificate); repeat for each")
+    p.add_argument("--digests", help="a JSON file of {file name: 'sha256:<hex>'}")
     p.set_defaults(run=cmd_verify)
 
     p = sub.add_parser("bench", parents=[common, loading],

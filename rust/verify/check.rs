@@ -356,3 +356,132 @@ impl Segment {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::verify::{Algorithm, Shard};
+    use sha2::Digest as _;
+
+    fn sha(bytes: &[u8]) -> Digest {
+        Digest { algorithm: Algorithm::Sha256, bytes: sha2::Sha256::digest(bytes).to_vec() }
+    }
+
+    fn whole(bytes: &[u8]) -> FileCheck {
+        FileCheck::new(Path::new("f.safetensors"), bytes.len() as u64, &Expected::Whole(sha(bytes)), "m").unwrap()
+    }
+
+    fn data(len: usize) -> Vec<u8> {
+        (0..len).map(|i| (i * 31 % 251) as u8).collect()
+    }
+
+    /// Every order of four blocks (and the first one fed again, as extents sharing a page
+    /// are) gives the digest of the bytes in file order.
+    #[test]
+    fn blocks_in_any_order_hash_in_file_order() {
+        let bytes = data(4000);
+        let blocks = [(0usize, 1000usize), (1000, 1500), (2500, 1), (2501, 1499)];
+        let mut order = [0, 1, 2, 3];
+        let mut permutations = 0;
+        loop {
+            for transient in [false, true] {
+                let check = whole(&bytes);
+                for &k in &order {
+                    let (at, len) = blocks[k];
+                    if transient {
+                        check.landed_transient(at as u64, &bytes[at..at + len]);
+                    } else {
+                        unsafe { check.landed(at as u64, &bytes[at..at + len]) };
+                    }
+                }
+                check.landed_transient(0, &bytes[..10]);
+                assert!(check.finish().is_ok(), "order {order:?}");
+            }
+            permutations += 1;
+            // Next permutation (lexicographic).
+            let Some(i) = (0..3).rev().find(|&i| order[i] < order[i + 1]) else { break };
+            let j = (i + 1..4).rev().find(|&j| order[j] > order[i]).unwrap();
+            order.swap(i, j);
+            order[i + 1..].reverse();
+        }
+        assert_eq!(permutations, 24);
+    }
+
+    #[test]
+    fn a_changed_byte_is_a_mismatch_naming_the_file_and_both_digests() {
+        let bytes = data(3000);
+        let check = whole(&bytes);
+        let mut changed = bytes.clone();
+        changed[2999] ^= 1;
+        unsafe { check.landed(0, &changed) };
+        assert!(check.has_failed());
+        let err = check.finish().unwrap_err().to_string();
+        assert_eq!(
+            err,
+            format!(
+                "f.safetensors: digest mismatch (bytes 0..3000): expected {}, got {} (m)",
+                sha(&bytes),
+                sha(&changed)
+            )
+        );
+    }
+
+    #[test]
+    fn a_file_read_in_part_fails_a_whole_file_digest_and_one_not_read_passes() {
+        let bytes = data(3000);
+        let check = whole(&bytes);
+        unsafe { check.landed(1000, &bytes[1000..2000]) };
+        assert!(matches!(check.finish(), Err(Error::PartialVerify { .. })));
+        assert!(whole(&bytes).finish().is_ok(), "nothing read, nothing handed out");
+    }
+
+    #[test]
+    fn shards_are_checked_each_and_a_mismatch_names_its_range() {
+        let bytes = data(3000);
+        let shards = vec![
+            Shard { start: 0, end: 1000, digest: sha(&bytes[..1000]) },
+            Shard { start: 1000, end: 2000, digest: sha(&bytes[1000..2000]) },
+            Shard { start: 2000, end: 3000, digest: sha(&bytes[2000..]) },
+        ];
+        let check = FileCheck::new(Path::new("f"), 3000, &Expected::Shards(shards.clone()), "m").unwrap();
+        // Blocks across shard boundaries, out of order; the last shard only in part.
+        unsafe {
+            check.landed(500, &bytes[500..1500]);
+            check.landed(0, &bytes[..500]);
+            check.landed(1500, &bytes[1500..2100]);
+        }
+        assert!(check.finish().is_ok(), "shards read whole match; the one read in part is not checked");
+        assert_eq!(check.bytes_to_read(&[(2500, 2600)]), Some((2100, 3000)));
+        assert_eq!(check.bytes_to_read(&[(0, 100)]), None, "shard 0 is hashed");
+
+        let mut changed = bytes.clone();
+        changed[1500] ^= 0x80;
+        let check = FileCheck::new(Path::new("f"), 3000, &Expected::Shards(shards.clone()), "m").unwrap();
+        unsafe { check.landed(0, &changed) };
+        let err = check.finish().unwrap_err().to_string();
+        assert!(err.starts_with("f: digest mismatch (bytes 1000..2000)"), "{err}");
+
+        let short = FileCheck::new(Path::new("f"), 2999, &Expected::Shards(shards), "m").err().unwrap();
+        assert!(short.to_string().contains("expected a file of 3000 bytes, got one of 2999 bytes"), "{short}");
+    }
+
+    #[test]
+    fn readers_on_many_threads_hash_every_byte_once() {
+        use rayon::prelude::*;
+        let bytes = data(1 << 20);
+        for algorithm in ["sha256", "blake2", "blake3"] {
+            let mut hasher = Algorithm::from_name(algorithm).unwrap().hasher();
+            hasher.update(&bytes);
+            let check =
+                FileCheck::new(Path::new("f"), bytes.len() as u64, &Expected::Whole(hasher.finish()), "m").unwrap();
+            bytes.par_chunks(4096).enumerate().for_each(|(i, block)| {
+                if i % 3 == 0 {
+                    check.landed_transient(i as u64 * 4096, block);
+                } else {
+                    unsafe { check.landed(i as u64 * 4096, block) };
+                }
+            });
+            assert!(check.finish().is_ok(), "{algorithm}");
+        }
+    }
+}

@@ -249,3 +249,127 @@ fn read_whole(path: &Path) -> Result<Vec<u8>> {
     bytes.truncate(got);
     Ok(bytes)
 }
+
+/// What [`verify_tree`] found for one file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    Ok,
+    /// Listed in the manifest, not in the directory.
+    Missing,
+    /// In the directory, not listed.
+    Extra,
+    /// Its bytes hash to something else (which shard, for a sharded manifest).
+    Changed {
+        start: u64,
+        end: u64,
+        expected: String,
+        actual: String,
+    },
+    /// It could not be read.
+    Unreadable(String),
+}
+
+/// Names a directory's check skips, as model signing does by default: git's own files.
+const IGNORED: [&str; 4] = [".git", ".github", ".gitignore", ".gitattributes"];
+
+/// Every file of `dir` against the manifest, weights or not (what `model_signing verify`
+/// checks, in one pass over each file, files in parallel): each listed file hashed, each
+/// unlisted one reported, `skip` (the signature itself) and git's files left out. Sorted by
+/// name.
+pub fn verify_tree(dir: &Path, manifest: &Manifest, skip: &[PathBuf]) -> Result<Vec<(String, Verdict)>> {
+    use rayon::prelude::*;
+    let mut found = Vec::new();
+    walk(dir, dir, skip, &mut found)?;
+    let listed: std::collections::BTreeSet<&str> = manifest.files.keys().map(String::as_str).collect();
+    let mut out: Vec<(String, Verdict)> = found
+        .iter()
+        .filter(|name| !listed.contains(name.as_str()))
+        .map(|name| (name.clone(), Verdict::Extra))
+        .collect();
+    let present: std::collections::BTreeSet<&str> = found.iter().map(String::as_str).collect();
+    let checked: Vec<(String, Verdict)> = crate::source::io_pool().install(|| {
+        manifest
+            .files
+            .par_iter()
+            .map(|(name, expected)| {
+                let verdict = if present.contains(name.as_str()) {
+                    hash_file(&dir.join(name), expected).unwrap_or_else(|e| Verdict::Unreadable(e.to_string()))
+                } else {
+                    Verdict::Missing
+                };
+                (name.clone(), verdict)
+            })
+            .collect()
+    });
+    out.extend(checked);
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(out)
+}
+
+fn walk(root: &Path, dir: &Path, skip: &[PathBuf], out: &mut Vec<String>) -> Result<()> {
+    let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, "list", e))?;
+    for entry in entries {
+        let entry = entry.map_err(|e| Error::io(dir, "list", e))?;
+        let path = entry.path();
+        let name = entry.file_name();
+        if IGNORED.iter().any(|i| name == *i) || skip.iter().any(|s| same_file(s, &path)) {
+            continue;
+        }
+        let kind = entry.file_type().map_err(|e| Error::io(&path, "stat", e))?;
+        if kind.is_dir() {
+            walk(root, &path, skip, out)?;
+        } else {
+            let rel = path.strip_prefix(root).unwrap_or(&path);
+            out.push(rel.components().map(|c| c.as_os_str().to_string_lossy()).collect::<Vec<_>>().join("/"));
+        }
+    }
+    Ok(())
+}
+
+fn same_file(a: &Path, b: &Path) -> bool {
+    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    }
+}
+
+/// One file's digests, read once in order (each shard's bytes to its own hasher).
+fn hash_file(path: &Path, expected: &Expected) -> Result<Verdict> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, "open", e))?;
+    let len = file.metadata().map_err(|e| Error::io(path, "stat", e))?.len();
+    let shards: Vec<Shard> = match expected {
+        Expected::Whole(d) => vec![Shard { start: 0, end: len, digest: d.clone() }],
+        Expected::Shards(s) => s.clone(),
+    };
+    let signed = shards.last().map_or(0, |s| s.end);
+    if signed != len {
+        return Ok(Verdict::Changed {
+            start: 0,
+            end: len,
+            expected: format!("a file of {signed} bytes"),
+            actual: format!("one of {len} bytes"),
+        });
+    }
+    let mut buf = vec![0u8; 8 << 20];
+    for shard in shards {
+        let mut hasher = shard.digest.algorithm.hasher();
+        let mut left = shard.end - shard.start;
+        while left > 0 {
+            let want = left.min(buf.len() as u64) as usize;
+            file.read_exact(&mut buf[..want]).map_err(|e| Error::io(path, "read", e))?;
+            hasher.update(&buf[..want]);
+            left -= want as u64;
+        }
+        let actual = hasher.finish();
+        if actual != shard.digest {
+            return Ok(Verdict::Changed {
+                start: shard.start,
+                end: shard.end,
+                expected: shard.digest.to_string(),
+                actual: actual.to_string(),
+            });
+        }
+    }
+    Ok(Verdict::Ok)
+}
