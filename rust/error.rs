@@ -128,6 +128,9 @@ pub enum Error {
     /// A file of the load is not among the files the manifest lists.
     #[error("{}: not listed in {manifest}: its bytes cannot be verified", .path.display())]
     NotInManifest { path: PathBuf, manifest: String },
+    /// A weights file the manifest lists is not in the directory loaded.
+    #[error("{}: listed in {manifest}, but not in the directory loaded", .path.display())]
+    NotLoaded { path: PathBuf, manifest: String },
     /// A file's bytes do not hash to what the manifest says.
     #[error("{}: digest mismatch (bytes {start}..{end}): expected {expected}, got {actual} ({manifest})", .path.display())]
     DigestMismatch { path: PathBuf, start: u64, end: u64, expected: String, actual: String, manifest: String },

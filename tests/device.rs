@@ -614,3 +614,48 @@ fn without_a_driver_cuda_fails_cleanly() {
         Err(e) => assert!(e.to_string().starts_with("CUDA: "), "{e}"),
     }
 }
+
+/// A verified load to the device stand-in hashes the bytes in the staging slots: the right
+/// digests pass, and a byte changed after signing fails naming the file, for every ring size
+/// (so blocks complete out of order, and those ahead of a gap are kept as copies).
+#[test]
+fn verified_staged_copies_hash_the_staging_slots() {
+    use fastsafetensors::load::plan_verified;
+    use fastsafetensors::source;
+    use fastsafetensors::verify::{manifest, Verifier};
+    use sha2::Digest as _;
+    let dir = TempDir::new("verified-staged");
+    let (paths, files) = checkpoint(&dir);
+    let digests = |files: &[Vec<u8>]| {
+        files
+            .iter()
+            .enumerate()
+            .map(|(i, f)| (format!("{i}.safetensors"), format!("sha256:{:x}", sha2::Sha256::digest(f))))
+            .collect()
+    };
+    let verifier = Verifier::new(manifest::from_digests(&digests(&files)).unwrap(), false);
+    for (block, slots) in [(4096, 1), (4096, 3), (8192, 8)] {
+        let planned = plan_verified(source::open_all(&paths).unwrap(), Some(&verifier)).unwrap();
+        let (targets, len) = layout(&planned, 512);
+        let device = HostMemoryDevice::new(len);
+        let copies =
+            planned.copy_to_device(&device, NO_CUFILE, &targets, &staged(block, slots, ReaderKind::Direct)).unwrap();
+        assert_quiet(&device);
+        assert_files_at(&device.memory(), &targets, &copies, &files);
+    }
+    let mut changed = files.clone();
+    let last = changed[1].len() - 1;
+    changed[1][last] ^= 1;
+    let verifier = Verifier::new(manifest::from_digests(&digests(&changed)).unwrap(), false);
+    let planned = plan_verified(source::open_all(&paths).unwrap(), Some(&verifier)).unwrap();
+    let (targets, len) = layout(&planned, 512);
+    let device = HostMemoryDevice::new(len);
+    let err = planned.copy_to_device(&device, NO_CUFILE, &targets, &staged(4096, 3, ReaderKind::Mmap)).unwrap_err();
+    assert_quiet(&device);
+    assert!(matches!(&err, Error::DigestMismatch { path, .. } if path.ends_with("1.safetensors")), "{err}");
+    // GPUDirect Storage would bypass the host memory the hash is computed in: refused.
+    let planned = plan_verified(source::open_all(&paths).unwrap(), Some(&verifier)).unwrap();
+    let options = DeviceOptions { gds: GdsMode::Require, ..staged(4096, 3, ReaderKind::Mmap) };
+    let err = planned.copy_to_device(&device, NO_CUFILE, &targets, &options).unwrap_err();
+    assert!(err.to_string().contains("GPUDirect Storage"), "{err}");
+}

@@ -344,7 +344,7 @@ def load(
     patterns, mode = _filter_args(tensor_filter, tensor_name_match_mode, paths)
     target, cast = _device_name(device), cast_dtype(dtype)
     cache = _cache_dir(cache_dir)
-    checked = verify_spec(verify)
+    checked = verify_spec(verify, paths)
     if checked is not None and (shard is not None or _shared(process_group)):
         raise ValueError(_VERIFY_SHARED)
     if shard is not None:
@@ -623,7 +623,7 @@ def stream(
     patterns, mode = _filter_args(tensor_filter, tensor_name_match_mode, paths)
     target, cast = _device_name(device), cast_dtype(dtype)
     cache = _cache_dir(cache_dir)
-    checked = verify_spec(verify)
+    checked = verify_spec(verify, paths)
     if checked is not None and _shared(process_group):
         raise ValueError(_VERIFY_SHARED)
     if _shared(process_group):
@@ -811,7 +811,7 @@ class safe_open:
         self._lock = threading.Lock()
         # The files, held open from here to close(): every op below reads them through it.
         cache = _cache_dir(cache_dir)
-        checked = verify_spec(verify)
+        checked = verify_spec(verify, self._paths)
         # A verified handle hands out a file's tensors only once the file has passed.
         self._verified = checked is not None
         self._handle: int = ops.open_handle(self._paths, cache, checked)

@@ -82,14 +82,18 @@ class Digests:
 Verify = Union[None, bool, str, Signature, Digests]
 
 
-def spec(verify: Verify) -> Optional[str]:
-    """The op's `verify` argument for a `verify=` value (None for an unverified load)."""
+def spec(verify: Verify, paths: Iterable[str] = ()) -> Optional[str]:
+    """The op's `verify` argument for a `verify=` value (None for an unverified load) of
+    `paths` as the caller gave them: where one is a directory (or an index, or a URL prefix),
+    every weights file the manifest lists at its top must be loaded."""
     if verify is None or verify is False:
         return None
+    paths = list(paths)
+    complete = any(not str(p).split("?")[0].endswith(".safetensors") for p in paths)
     if verify is True or verify == "full":
-        return json.dumps({"location": True, "full": verify == "full"})
+        return json.dumps({"location": True, "full": verify == "full", "complete": complete})
     if isinstance(verify, (Signature, Digests)):
-        return json.dumps(verify._spec())
+        return json.dumps({**verify._spec(), "complete": complete})
     raise TypeError("verify= takes fastsafetensors_rs.Signature(...), fastsafetensors_rs.Digests({...}), True or "
                     f"'full', not {verify!r}")
 

@@ -83,6 +83,7 @@ impl OpenFiles {
     /// not list (or whose size differs from what it lists) is an error now.
     pub fn verified(mut self, verifier: Verifier) -> Result<OpenFiles> {
         Checks::new(&verifier, &self.sources, &self.headers.iter().collect::<Vec<_>>())?;
+        verifier.check_complete(&self.sources.iter().map(|s| s.path()).collect::<Vec<_>>())?;
         self.verifier = Some(verifier);
         Ok(self)
     }

@@ -142,10 +142,20 @@ pub fn plan_files(paths: &[PathBuf]) -> Result<Planned> {
 
 /// Validates every source's header and the names across them.
 pub fn plan_sources(sources: Vec<Arc<dyn Source>>) -> Result<Planned> {
+    plan_verified(sources, None)
+}
+
+/// [`plan_sources`], every read of the load checked against `verifier` (if any): the
+/// headers hashed are those the tensors are placed by.
+pub fn plan_verified(sources: Vec<Arc<dyn Source>>, verifier: Option<&Verifier>) -> Result<Planned> {
     let headers = sources.iter().map(|s| s.header()).collect::<Result<Vec<Header>>>()?;
     let paths: Vec<PathBuf> = sources.iter().map(|s| s.path().to_owned()).collect();
     let tensors = plan::place(&paths, &headers)?;
-    Ok(Planned { sources, tensors, checks: Checks::default() })
+    let checks = match verifier {
+        Some(v) => Checks::new(v, &sources, &headers.iter().collect::<Vec<_>>())?,
+        None => Checks::default(),
+    };
+    Ok(Planned { sources, tensors, checks })
 }
 
 /// Reads and validates one file's header without touching its data.

@@ -20,11 +20,31 @@ pub struct Verifier {
     /// Read the whole of every file a load touches, so that a load of some of its tensors can
     /// still be checked against a digest of the whole file.
     pub full: bool,
+    /// The load is of a whole directory: every weights file the manifest lists at its top
+    /// must be among the load's files (a file missing would leave the model short, silently).
+    pub complete: bool,
 }
 
 impl Verifier {
     pub fn new(manifest: Manifest, full: bool) -> Verifier {
-        Verifier { manifest: Arc::new(manifest), full }
+        Verifier { manifest: Arc::new(manifest), full, complete: false }
+    }
+
+    /// For a load of the files `paths`, a directory's: the first listed `.safetensors` file
+    /// at the manifest's top that is not among them, as an error.
+    pub fn check_complete(&self, paths: &[&Path]) -> Result<()> {
+        if !self.complete {
+            return Ok(());
+        }
+        let loaded: Vec<&str> = paths
+            .iter()
+            .filter_map(|p| self.manifest.entry_for(&p.to_string_lossy()).map(|(name, _)| name))
+            .collect();
+        let dir = paths.first().and_then(|p| p.parent()).unwrap_or(Path::new("."));
+        match self.manifest.files.keys().find(|n| n.ends_with(".safetensors") && !n.contains('/') && !loaded.contains(&n.as_str())) {
+            Some(name) => Err(Error::NotLoaded { path: dir.join(name), manifest: self.manifest.origin.clone() }),
+            None => Ok(()),
+        }
     }
 
     /// The check of the file at `path` (what the manifest's names are matched against),
