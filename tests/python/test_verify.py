@@ -1,0 +1,359 @@
+"""Verified loads (`verify=`): signatures made by OpenSSF model signing (`model_signing`, from
+the Python registry), Hugging Face cache blob names and explicit digests, checked while the
+bytes load, through every entry point; and what `model_signing verify` rejects is rejected here.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import fastsafetensors_rs as fst
+from fastsafetensors_rs import Digests, SafetensorError, Signature
+from fastsafetensors_rs.weights import weights_iterator
+
+import fst_testutils as U
+from remote_servers import FileServer
+
+model_signing = pytest.importorskip("model_signing", reason="model-signing is in requirements-dev.txt")
+from cryptography.hazmat.primitives import serialization  # noqa: E402  (model_signing's dependency)
+from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
+
+FILES = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+
+
+def _tensors(seed: int, count: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer.{seed}.{i}.weight": torch.randn(64, 96 + i, generator=g) for i in range(count)}
+
+
+@pytest.fixture
+def model(tmp_path) -> Path:
+    """Two weight files (the first with a header over 4 KiB, so that its data starts past the
+    first page) and a config, in a directory of their own."""
+    root = tmp_path / "model"
+    root.mkdir()
+    save_file(_tensors(1, 120), str(root / FILES[0]), metadata={"format": "pt", "note": "aaaa"})
+    save_file(_tensors(2, 6), str(root / FILES[1]), metadata={"format": "pt", "note": "aaaa"})
+    (root / "config.json").write_text('{"model_type": "test"}')
+    return root
+
+
+def _sha256(path: Path) -> str:
+    return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _digests(root: Path) -> Digests:
+    return Digests({name: _sha256(root / name) for name in FILES})
+
+
+def _keypair(directory: Path, name: str = "key") -> tuple:
+    directory.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP256R1())
+    private, public = directory / f"{name}.pem", directory / f"{name}.pub"
+    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                     serialization.PublicFormat.SubjectPublicKeyInfo))
+    return private, public
+
+
+def _sign(root: Path, private: Path, signature: Path, shards: bool = False, algorithm: str = "sha256") -> None:
+    hashing = model_signing.hashing.Config()
+    if shards:
+        hashing = hashing.use_shard_serialization(hashing_algorithm=algorithm, shard_size=100_000)
+    else:
+        hashing = hashing.use_file_serialization(hashing_algorithm=algorithm)
+    model_signing.signing.Config().use_elliptic_key_signer(private_key=private).set_hashing_config(
+        hashing).sign(root, signature)
+
+
+def _oms_verifies(root: Path, signature: Path, public: Path, shards: bool = False, algorithm: str = "sha256") -> bool:
+    hashing = model_signing.hashing.Config()
+    hashing = (hashing.use_shard_serialization(hashing_algorithm=algorithm, shard_size=100_000) if shards
+               else hashing.use_file_serialization(hashing_algorithm=algorithm))
+    try:
+        model_signing.verifying.Config().use_elliptic_key_verifier(public_key=public).set_hashing_config(
+            hashing).verify(root, signature)
+        return True
+    except Exception:  # noqa: BLE001 - any rejection
+        return False
+
+
+@pytest.fixture
+def signed(model, tmp_path):
+    """The model signed with a fresh P-256 key: (model dir, signature, public key)."""
+    private, public = _keypair(tmp_path / "keys")
+    signature = tmp_path / "model.sig"
+    _sign(model, private, signature)
+    return model, signature, public
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _places(path: Path) -> dict:
+    """Byte offsets to flip: inside the header (a metadata value, so the header still parses),
+    the first tensor's first byte, the file's last byte."""
+    data = path.read_bytes()
+    header_len = int.from_bytes(data[:8], "little")
+    note = data.index(b'"aaaa"') + 1
+    assert note < 8 + header_len
+    return {"header": note, "first tensor": 8 + header_len, "last byte": len(data) - 1}
+
+
+def _entry_points(root: Path, verify) -> dict:
+    """Every entry point that loads, each a callable loading the whole model."""
+    paths = [str(root / name) for name in FILES]
+
+    def opened():
+        out = {}
+        for p in paths:
+            with fst.safe_open(p, framework="pt", verify=verify) as f:
+                out.update({k: f.get_tensor(k) for k in f.keys()})
+        return out
+
+    return {
+        "load": lambda: fst.load(str(root), verify=verify),
+        "load_file": lambda: fst.load_file(str(root), verify=verify),
+        "stream": lambda: dict(fst.stream(str(root), verify=verify, max_memory="1M")),
+        "safe_open": opened,
+        "weights_iterator": lambda: dict(weights_iterator(paths, verify=verify)),
+    }
+
+
+def _expected(root: Path) -> dict:
+    """The model as safetensors loads it."""
+    out = {}
+    for name in FILES:
+        out.update(load_file(str(root / name)))
+    return out
+
+
+# ------------------------------------------------------------------------- explicit digests
+
+def test_digests_verify_through_every_entry_point(model):
+    expected = _expected(model)
+    for name, run in _entry_points(model, _digests(model)).items():
+        U.assert_same_dict(run(), expected)
+
+
+@pytest.mark.parametrize("where", ["header", "first tensor", "last byte"])
+def test_a_flipped_byte_fails_every_entry_point_naming_the_file(model, where):
+    digests = _digests(model)
+    for victim in FILES:
+        original = (model / victim).read_bytes()
+        _flip(model / victim, _places(model / victim)[where])
+        for name, run in _entry_points(model, digests).items():
+            with pytest.raises(SafetensorError, match="digest mismatch") as e:
+                run()
+            assert victim in str(e.value), (name, str(e.value))
+            assert digests.digests[victim] in str(e.value), "the expected digest is named"
+        (model / victim).write_bytes(original)
+
+
+def test_digests_name_the_algorithm_and_refuse_what_they_cannot_check(model):
+    blake = {n: "blake2:" + hashlib.blake2b((model / n).read_bytes()).hexdigest() for n in FILES}
+    U.assert_same_dict(fst.load(str(model), verify=Digests(blake)), _expected(model))
+    with pytest.raises(ValueError, match="'md5' is not supported"):
+        fst.load(str(model), verify=Digests({FILES[0]: "md5:00"}))
+    with pytest.raises(TypeError, match="verify= takes"):
+        fst.load(str(model), verify="yes")
+
+
+def test_a_file_the_manifest_does_not_list_and_one_it_lists_but_is_gone(model):
+    only_first = Digests({FILES[0]: _sha256(model / FILES[0])})
+    with pytest.raises(SafetensorError, match=f"{FILES[1]}: not listed in the digests given"):
+        fst.load(str(model), verify=only_first)
+    # A directory loaded without a file its manifest lists is short of weights: an error.
+    digests = _digests(model)
+    (model / FILES[1]).unlink()
+    with pytest.raises(SafetensorError, match=f"{FILES[1]}: listed in the digests given, but not in the directory"):
+        fst.load(str(model), verify=digests)
+    # One file of it, asked for by name, is loaded and checked alone.
+    assert len(fst.load_file(str(model / FILES[0]), verify=digests)) == 120
+
+
+# ------------------------------------------------------------------------- partial reads
+
+def test_a_partial_read_is_refused_or_read_whole_with_full(model):
+    digests = _digests(model)
+    name = "layer.1.7.weight"
+    with pytest.raises(SafetensorError, match="reads only part of it: pass full=True"):
+        fst.load(str(model), tensor_filter=[name], verify=digests)
+    got = fst.load(str(model), tensor_filter=[name], verify=Digests(digests.digests, full=True))
+    U.assert_same_dict(got, {name: _expected(model)[name]})
+    # full=True still checks: the rest of the file is read and hashed.
+    _flip(model / FILES[0], _places(model / FILES[0])["last byte"])
+    with pytest.raises(SafetensorError, match="digest mismatch"):
+        fst.load(str(model), tensor_filter=[name], verify=Digests(digests.digests, full=True))
+
+
+def test_get_slice_of_a_verified_handle(model):
+    digests = _digests(model)
+    path = str(model / FILES[0])
+    with fst.safe_open(path, framework="pt", verify=digests) as f:
+        with pytest.raises(SafetensorError, match="reads only part of it"):
+            f.get_slice("layer.1.3.weight")[2:5]
+    with fst.safe_open(path, framework="pt", verify=Digests(digests.digests, full=True)) as f:
+        U.assert_same_tensor(f.get_slice("layer.1.3.weight")[2:5], _expected(model)["layer.1.3.weight"][2:5])
+
+
+def test_a_verified_stream_refuses_a_selection_it_cannot_check(model):
+    with pytest.raises(ValueError, match="a verified stream hands out only what it checks"):
+        fst.stream(str(model), tensor_filter=["layer.1.7.weight"], verify=_digests(model))
+
+
+def test_a_stream_stops_at_a_bad_file_before_any_tensor_of_the_next(model):
+    digests = _digests(model)
+    _flip(model / FILES[0], _places(model / FILES[0])["last byte"])
+    seen = []
+    with pytest.raises(SafetensorError, match=f"{FILES[0]}: digest mismatch"):
+        for name, _ in fst.stream(str(model), verify=digests, max_memory="256K"):
+            seen.append(name)
+    assert not any(n.startswith("layer.2.") for n in seen), "a tensor of the second file was handed out"
+
+
+# ------------------------------------------------------------------------- OMS signatures
+
+def test_a_model_signing_signature_verifies_every_entry_point(signed):
+    model, signature, public = signed
+    assert _oms_verifies(model, signature, public)
+    expected = _expected(model)
+    for name, run in _entry_points(model, Signature(signature, public_key=public)).items():
+        U.assert_same_dict(run(), expected)
+
+
+@pytest.mark.parametrize("where", ["header", "first tensor", "last byte"])
+def test_a_signed_model_with_a_flipped_byte_fails_as_model_signing_says(signed, where):
+    model, signature, public = signed
+    for victim in FILES:
+        original = (model / victim).read_bytes()
+        _flip(model / victim, _places(model / victim)[where])
+        assert not _oms_verifies(model, signature, public)
+        with pytest.raises(SafetensorError, match=f"{victim}: digest mismatch") as e:
+            fst.load(str(model), verify=Signature(signature, public_key=public))
+        assert "model.sig" in str(e.value), str(e.value)
+        (model / victim).write_bytes(original)
+
+
+def test_a_signature_by_another_key_or_edited_after_signing_is_rejected(signed, tmp_path):
+    model, signature, public = signed
+    _, other = _keypair(tmp_path / "other")
+    assert not _oms_verifies(model, signature, other)
+    with pytest.raises(SafetensorError, match="signature does not verify"):
+        fst.load(str(model), verify=Signature(signature, public_key=other))
+    # The statement edited: a digest replaced by that of other bytes.
+    bundle = json.loads(signature.read_text())
+    statement = json.loads(base64.b64decode(bundle["dsseEnvelope"]["payload"]))
+    statement["predicate"]["resources"][0]["digest"] = hashlib.sha256(b"other").hexdigest()
+    bundle["dsseEnvelope"]["payload"] = base64.b64encode(json.dumps(statement).encode()).decode()
+    edited = tmp_path / "edited.sig"
+    edited.write_text(json.dumps(bundle))
+    assert not _oms_verifies(model, edited, public)
+    with pytest.raises(SafetensorError, match="signature does not verify"):
+        fst.load(str(model), verify=Signature(edited, public_key=public))
+
+
+def test_a_missing_and_an_extra_file_fail_as_model_signing_says(signed):
+    model, signature, public = signed
+    save_file({"x": torch.zeros(3)}, str(model / "extra.safetensors"))
+    assert not _oms_verifies(model, signature, public)
+    with pytest.raises(SafetensorError, match="extra.safetensors: not listed in model.sig"):
+        fst.load(str(model), verify=Signature(signature, public_key=public))
+    (model / "extra.safetensors").unlink()
+    (model / FILES[1]).rename(model.parent / "moved.safetensors")
+    assert not _oms_verifies(model, signature, public)
+    with pytest.raises(SafetensorError, match=f"{FILES[1]}: listed in model.sig"):
+        fst.load(str(model), verify=Signature(signature, public_key=public))
+
+
+@pytest.mark.parametrize("shards,algorithm", [(True, "sha256"), (False, "blake2"), (True, "blake2")])
+def test_shard_manifests_and_blake2(model, tmp_path, shards, algorithm):
+    private, public = _keypair(tmp_path / "keys")
+    signature = tmp_path / "model.sig"
+    _sign(model, private, signature, shards=shards, algorithm=algorithm)
+    assert _oms_verifies(model, signature, public, shards=shards, algorithm=algorithm)
+    verify = Signature(signature, public_key=public)
+    U.assert_same_dict(fst.load(str(model), verify=verify), _expected(model))
+    U.assert_same_dict(dict(fst.stream(str(model), verify=verify, max_memory="256K")), _expected(model))
+    if shards:
+        # A tensor in the first 100 kB shard: only that shard is read whole and checked.
+        name = "layer.1.0.weight"
+        U.assert_same_dict(fst.load(str(model), tensor_filter=[name], verify=verify), {name: _expected(model)[name]})
+    _flip(model / FILES[0], _places(model / FILES[0])["last byte"])
+    assert not _oms_verifies(model, signature, public, shards=shards, algorithm=algorithm)
+    with pytest.raises(SafetensorError, match=f"{FILES[0]}: digest mismatch"):
+        fst.load(str(model), verify=verify)
+
+
+def test_the_cli_checks_every_file_and_names_each_bad_one(signed):
+    model, signature, public = signed
+    cli = [sys.executable, "-m", "fastsafetensors_rs", "verify", "--no-progress"]
+    args = ["--signature", str(signature), "--public-key", str(public), str(model)]
+    ok = subprocess.run(cli + args, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "3 of 3 file(s) verified" in ok.stdout
+    (model / "config.json").write_text('{"model_type": "changed"}')
+    (model / "tokenizer.json").write_text("{}")
+    (model / FILES[1]).unlink()
+    assert not _oms_verifies(model, signature, public)
+    bad = subprocess.run(cli + ["--json"] + args, capture_output=True, text=True)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    status = {f["name"]: f["status"] for f in json.loads(bad.stdout)["files"]}
+    assert status == {"config.json": "changed", "tokenizer.json": "extra", FILES[1]: "missing", FILES[0]: "ok"}
+
+
+# ------------------------------------------------------------------------- HF cache
+
+def test_a_hugging_face_cache_snapshot_verifies_with_true(model, tmp_path):
+    repo = tmp_path / "hub" / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    for name in FILES:
+        blob = repo / "blobs" / _sha256(model / name).split(":")[1]
+        shutil.copy(model / name, blob)
+        (snapshot / name).symlink_to(os.path.relpath(blob, snapshot))
+    U.assert_same_dict(fst.load(str(snapshot), verify=True), _expected(model))
+    U.assert_same_dict(dict(fst.stream(str(snapshot), verify=True)), _expected(model))
+    blob = (snapshot / FILES[1]).resolve()
+    _flip(blob, _places(blob)["first tensor"])
+    with pytest.raises(SafetensorError, match=f"{FILES[1]}: digest mismatch"):
+        fst.load(str(snapshot), verify=True)
+    with pytest.raises(SafetensorError, match="carries no digest"):
+        fst.load(str(model), verify=True)
+
+
+# ------------------------------------------------------------------------- remote and cached
+
+def test_remote_weights_verify_against_a_signature_beside_them(signed, tmp_path):
+    model, signature, public = signed
+    shutil.copy(signature, model / "model.sig")
+    expected = _expected(model)
+    cache = tmp_path / "cache"
+    with FileServer(model) as server:
+        urls = [f"{server.url}/{name}" for name in FILES]
+        verify = Signature(f"{server.url}/model.sig", public_key=public)
+        U.assert_same_dict(fst.load(urls, verify=verify), expected)
+        U.assert_same_dict(dict(fst.stream(urls, verify=verify)), expected)
+        for _ in range(2):  # filling the cache, then from it
+            U.assert_same_dict(fst.load(urls, verify=verify, cache_dir=cache), expected)
+        _flip(model / FILES[0], _places(model / FILES[0])["last byte"])
+        with pytest.raises(SafetensorError, match=f"{FILES[0]}: digest mismatch"):
+            fst.load(urls, verify=verify)
+        with pytest.raises(SafetensorError, match="carries no digest"):
+            fst.load(urls, verify=True)
