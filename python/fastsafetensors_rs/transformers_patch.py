@@ -54,6 +54,8 @@ import torch
 
 from . import _ops, api
 from .api import Device, PathLike
+from .verify import Verify
+from .verify import spec as verify_spec
 
 logger = logging.getLogger("fastsafetensors_rs")
 
@@ -83,8 +85,9 @@ class PatchedSafeOpen(api.safe_open):
     Like every `safe_open`, it reads the file once even when several threads ask at once."""
 
     def __init__(self, filename: PathLike, framework: str = "pt", device: Device = "cpu",
-                 backend: Optional[str] = None, reader: Optional[str] = None, nogds: Optional[bool] = None):
-        super().__init__(filename, framework=framework, device=device, reader=reader, nogds=nogds)
+                 backend: Optional[str] = None, reader: Optional[str] = None, nogds: Optional[bool] = None,
+                 verify: Verify = None):
+        super().__init__(filename, framework=framework, device=device, reader=reader, nogds=nogds, verify=verify)
         logger.debug("%s: opened for transformers (header only; loads to %s on first access)",
                      os.fspath(filename), device)
 
@@ -186,7 +189,7 @@ def is_transformers_patched() -> bool:
 
 
 def patch_transformers(reader: Optional[str] = None, nogds: Optional[bool] = None,
-                       weights: Optional[PathLike] = None) -> List[str]:
+                       weights: Optional[PathLike] = None, verify: Verify = None) -> List[str]:
     """Makes transformers read `.safetensors` files through fastsafetensors, process-wide.
 
     Args:
@@ -197,18 +200,23 @@ def patch_transformers(reader: Optional[str] = None, nogds: Optional[bool] = Non
             is given (which still gives the configuration): a URL (`s3://bucket/model/`, an
             index URL) or a local file, directory or index. Best given to
             `patched_transformers()`, around one `from_pretrained`. None: the model path's own.
+        verify: every weight file transformers opens is verified, as `fastsafetensors_rs.load`'s
+            `verify=` (a `Signature` of the model, `Digests`, or True for a Hugging Face cache
+            snapshot); a file that fails raises before any of its tensors reaches the model.
 
     Returns the patched names ("module.attribute"). Calling it again only updates the
     options. Undo with `unpatch_transformers()`. Raises ImportError without transformers,
     ValueError or TypeError for a malformed option.
     """
     reader, nogds = api._reader(reader), api._nogds(nogds)
+    verify_spec(verify)  # malformed: raised here
     if weights is not None and not isinstance(weights, (str, os.PathLike)):
         raise TypeError(f"weights= takes a URL or a path, not {type(weights).__name__}")
     _import_transformers()
     with _lock:
         _options.clear()
-        _options.update({k: v for k, v in (("reader", reader), ("nogds", nogds)) if v is not None})
+        _options.update({k: v for k, v in (("reader", reader), ("nogds", nogds), ("verify", verify))
+                         if v is not None})
         _weights.clear()
         if weights is not None:
             _weights["weights"] = os.fspath(weights)
@@ -247,7 +255,7 @@ def unpatch_transformers() -> None:
 
 @contextlib.contextmanager
 def patched_transformers(reader: Optional[str] = None, nogds: Optional[bool] = None,
-                         weights: Optional[PathLike] = None) -> Iterator[None]:
+                         weights: Optional[PathLike] = None, verify: Verify = None) -> Iterator[None]:
     """`patch_transformers()` for the duration of a `with` block:
 
         with fastsafetensors_rs.patched_transformers(weights="s3://bucket/llama-3-8b/"):
@@ -258,7 +266,7 @@ def patched_transformers(reader: Optional[str] = None, nogds: Optional[bool] = N
     with _lock:
         was_patched = bool(_originals)
         previous, previous_weights = dict(_options), dict(_weights)
-        patch_transformers(reader=reader, nogds=nogds, weights=weights)
+        patch_transformers(reader=reader, nogds=nogds, weights=weights, verify=verify)
     try:
         yield
     finally:

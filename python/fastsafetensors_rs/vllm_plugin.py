@@ -47,6 +47,8 @@ import torch
 from ._ops import ops
 from .api import READERS
 from .weights import weights_iterator
+from .verify import from_config as verify_from_config
+from .verify import spec as verify_spec
 
 logger = logging.getLogger("fastsafetensors_rs")
 
@@ -66,6 +68,9 @@ OPTIONS: Dict[str, str] = {
              "group), 'world' (every rank of the engine), 'none' (each rank reads everything)",
     "weights": "where the weights are read from instead of the model's own files: a bucket prefix or index URL "
                "(s3://bucket/model/, https://host/model.safetensors.index.json) or a local directory",
+    "verify": "check every byte loaded: {'signature': 'model.sig', 'public_key': 'key.pub'} (or "
+              "'certificate_chain': [...]), {'digests': {file: 'sha256:...'}}, or true (a Hugging Face cache's blob "
+              "names); each rank then reads and checks every file itself (share 'none')",
 }
 SHARE = ("tp", "world", "none")
 
@@ -99,6 +104,12 @@ def parse_options(extra: Dict[str, Any]) -> Dict[str, Any]:
     weights = opts.get("weights")
     if weights is not None and (not isinstance(weights, str) or not weights):
         raise bad("weights", "a URL or a path")
+    if opts.get("verify") is not None:
+        try:
+            opts["verify"] = verify_from_config(opts["verify"])
+            verify_spec(opts["verify"])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"model_loader_extra_config['verify'] for load format {LOAD_FORMAT!r}: {e}") from None
     return opts
 
 
@@ -249,8 +260,11 @@ def make_loader_class(default_loader: type, weight_utils: Any) -> type:
             # Other ranks' experts are not read at all: the selection is made from the headers.
             keep = None if skip is None else functools.partial(_is_kept, skip)
             device = torch.device(opts.get("device") or _default_device(self.load_config))
-            # Ranks that select different tensors (their own experts) cannot share reads.
-            group = _sharing_group(opts.get("share") or "tp", device) if skip is None else None
+            # Ranks that select different tensors (their own experts) cannot share reads, and a
+            # verified load is read whole by each rank (a shared one is not verified yet).
+            verify = opts.get("verify")
+            share = "none" if verify is not None else opts.get("share") or "tp"
+            group = _sharing_group(share, device) if skip is None else None
             weights: Iterable[Tuple[str, torch.Tensor]] = weights_iterator(
                 sorted(files),
                 _show_progress(bool(getattr(self.load_config, "use_tqdm_on_load", False))),
@@ -261,6 +275,7 @@ def make_loader_class(default_loader: type, weight_utils: Any) -> type:
                 prefetch=opts.get("prefetch", 0),
                 tensor_filter=keep,
                 max_memory=opts.get("max_memory"),
+                verify=verify,
             )
             if self.counter_before_loading_weights == 0.0:
                 self.counter_before_loading_weights = time.perf_counter()

@@ -357,3 +357,53 @@ def test_remote_weights_verify_against_a_signature_beside_them(signed, tmp_path)
             fst.load(urls, verify=verify)
         with pytest.raises(SafetensorError, match="carries no digest"):
             fst.load(urls, verify=True)
+
+
+# ------------------------------------------------------------------------- integrations
+
+def test_the_fastsafetensors_compatible_loader_verifies_each_ranks_files(model):
+    digests = _digests(model)
+    loader = fst.SafeTensorsFileLoader(None, "cpu", verify=digests)
+    loader.add_filenames({0: [str(model / name) for name in FILES]})
+    buffer = loader.copy_files_to_device()
+    expected = _expected(model)
+    for name in ("layer.1.0.weight", "layer.2.5.weight"):
+        U.assert_same_tensor(buffer.get_tensor(name), expected[name])
+    _flip(model / FILES[1], _places(model / FILES[1])["last byte"])
+    loader = fst.SafeTensorsFileLoader(None, "cpu", verify=digests)
+    loader.add_filenames({0: [str(model / name) for name in FILES]})
+    with pytest.raises(SafetensorError, match=f"{FILES[1]}: digest mismatch"):
+        loader.copy_files_to_device()
+
+
+def test_from_pretrained_under_the_patch_verifies_the_weights(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                                      max_position_embeddings=64)
+    torch.manual_seed(7)
+    directory = tmp_path / "llama"
+    transformers.LlamaForCausalLM(config).save_pretrained(str(directory), max_shard_size="20KB")
+    weights = sorted(p.name for p in directory.glob("*.safetensors"))
+    assert len(weights) > 1
+    digests = Digests({name: _sha256(directory / name) for name in weights})
+    stock = transformers.LlamaForCausalLM.from_pretrained(str(directory))
+    with fst.patched_transformers(verify=digests):
+        ours = transformers.LlamaForCausalLM.from_pretrained(str(directory))
+    U.assert_same_dict(ours.state_dict(), stock.state_dict())
+    _flip(directory / weights[-1], (directory / weights[-1]).stat().st_size - 1)
+    with fst.patched_transformers(verify=digests):
+        with pytest.raises(Exception, match=f"{weights[-1]}: digest mismatch"):
+            transformers.LlamaForCausalLM.from_pretrained(str(directory))
+
+
+def test_the_vllm_plugin_takes_verify_in_its_extra_config(signed):
+    from fastsafetensors_rs import vllm_plugin
+    model, signature, public = signed
+    opts = vllm_plugin.parse_options({"verify": {"signature": str(signature), "public_key": str(public)}})
+    assert isinstance(opts["verify"], Signature)
+    U.assert_same_dict(dict(weights_iterator([str(model / n) for n in FILES], verify=opts["verify"])),
+                       _expected(model))
+    assert isinstance(vllm_plugin.parse_options({"verify": {"digests": {FILES[0]: "0" * 64}}})["verify"], Digests)
+    with pytest.raises(ValueError, match=r"model_loader_extra_config\['verify'\].*'signature' or 'digests'"):
+        vllm_plugin.parse_options({"verify": {"key": "x"}})

@@ -15,6 +15,7 @@ from .. import api as _api
 from .._dtypes import cast_dtype
 from .._errors import mapped_errors
 from .._ops import describe
+from ..verify import spec as verify_spec
 from .buffer import FileEntry, FilesBufferOnDevice, TensorEntry, TensorNotFoundError
 from .collectives import Group
 from .types import (
@@ -69,6 +70,8 @@ class LoadPlan:
     device: torch.device
     cast: Optional[torch.dtype]
     reader: Optional[str]
+    # What each rank's own files are verified against (`fastsafetensors_rs.load`'s verify=).
+    verify: Any = None
 
     @classmethod
     def make(
@@ -78,6 +81,7 @@ class LoadPlan:
         device: torch.device,
         cast: Optional[torch.dtype],
         reader: Optional[str],
+        verify: Any = None,
     ) -> "LoadPlan":
         files: List[FileEntry] = []
         entries: Dict[str, TensorEntry] = {}
@@ -94,13 +98,13 @@ class LoadPlan:
                     nbytes_of(dtype, tshape),
                 )
         own = [f.path for f in files if f.rank == rank]
-        return cls(files, entries, own, device, cast, reader)
+        return cls(files, entries, own, device, cast, reader, verify)
 
     def read_own(self) -> Dict[str, torch.Tensor]:
         """Reads this rank's files in one bulk load (no collective: safe on any thread)."""
         if not self.own_paths:
             return {}
-        return _api.load(self.own_paths, device=self.device, dtype=self.cast, reader=self.reader)
+        return _api.load(self.own_paths, device=self.device, dtype=self.cast, reader=self.reader, verify=self.verify)
 
 
 def open_buffer(
@@ -160,6 +164,9 @@ class SafeTensorsFileLoader:
         framework: "pytorch" (or "pt"); other frameworks are not supported.
         reader: the core's reader, "auto" (default), "direct" or "mmap" (this
             implementation's own option).
+        verify: what each rank's files are verified against, as `fastsafetensors_rs.load`'s
+            `verify=` (a `Signature`, `Digests`, True): every file is checked once, by the
+            rank that reads it, and a mismatch fails `copy_files_to_device` on every rank.
         **kwargs: other options of the original (e.g. `max_pinned_memory_in_kb`) are
             accepted and ignored.
 
@@ -184,6 +191,7 @@ class SafeTensorsFileLoader:
         framework: str = "pytorch",
         *,
         reader: Optional[str] = None,
+        verify: Any = None,
         **kwargs: Any,
     ):
         if framework not in _FRAMEWORKS:
@@ -200,6 +208,10 @@ class SafeTensorsFileLoader:
         self.device: torch.device = resolve_device(device, hints)
         self.nogds = nogds
         self.reader = _api._reader(reader)
+        # Each rank verifies the files it reads (so the group checks each file once), and a
+        # mismatch on one rank fails copy_files_to_device on every rank.
+        verify_spec(verify)  # malformed: raised here
+        self.verify = verify
         self._headers: Dict[str, _Header] = {}
         self._owner_of: Dict[str, str] = {}  # tensor name -> path
 
@@ -301,7 +313,7 @@ class SafeTensorsFileLoader:
 
     def _plan(self, cast: Optional[torch.dtype]) -> LoadPlan:
         return LoadPlan.make(
-            self._ordered_headers(), self._group.rank, self.device, cast, self.reader
+            self._ordered_headers(), self._group.rank, self.device, cast, self.reader, self.verify
         )
 
 
