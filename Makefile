@@ -156,6 +156,7 @@ cpp-example: $(CPP_EXAMPLE)
 # (bench/remote.py: Garage on 127.0.0.1, beside curl's ranged GETs, boto3 and Run:ai).
 bench: build garage
 	$(PY) bench/bench.py $(BENCH_ARGS)
+	$(PY) bench/verify.py $(BENCH_VERIFY_ARGS)
 	$(MAKE) --no-print-directory bench-remote
 
 # The same server and clients on loopback, then behind 20 ms of round-trip time (netem in a
