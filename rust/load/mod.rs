@@ -284,7 +284,9 @@ impl Planned {
             };
             Ok(Arc::new(buffer))
         };
-        let buffers = if readers.iter().all(Option::is_none) {
+        // A warm load maps its files without touching them, on the caller's thread; a verified
+        // one hashes every page, so it runs on the pool, files in parallel.
+        let buffers = if readers.iter().all(Option::is_none) && self.checks.files.is_empty() {
             extents.iter().map(read).collect::<Result<Vec<_>>>()
         } else {
             source::io_pool().install(|| extents.par_iter().map(read).collect::<Result<Vec<_>>>())
