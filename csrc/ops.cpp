@@ -319,6 +319,15 @@ std::string read_range(std::string file, int64_t offset, Tensor out, std::option
   }));
 }
 
+bool check_range(std::string file, int64_t offset, Tensor data, int64_t handle) {
+  if (tt::scalar_type(data) != ScalarType::Byte || !tt::is_contiguous(data) || tt::is_cuda(data)) {
+    tt::fail("invalid argument: data: contiguous uint8 in host memory");
+  }
+  const auto address = reinterpret_cast<uint64_t>(tt::data_ptr(data));
+  call_rust([&] { rs::check_range(file, offset, address, tt::numel(data), handle); });
+  return true;
+}
+
 // A streaming load: `next()` returns the next group of tensors, in read order, as soon as its
 // bytes have arrived, while the reads of later groups go on in the background. Each tensor keeps
 // the buffer of its group alive; destroying the stream stops its reads. To the CPU, groups are
@@ -573,6 +582,7 @@ FST_LIBRARY(m) {
   m.def("share_load(str[] files, ScalarType? dtype, str[]? tensor_filter, str tensor_name_match_mode, int world,"
         " str? max_memory=None, int chunk=0, int handle=-1) -> str");
   m.def("read_range(str file, int offset, Tensor(a!) out, str? reader=None, int handle=-1) -> str");
+  m.def("check_range(str file, int offset, Tensor data, int handle) -> bool");
   m.def("keys(str file) -> str[]");
   m.def("check_device(str device) -> str");
   m.def("checkpoint(str path) -> (str[] files, str? index, str[] problems)");
@@ -608,6 +618,7 @@ FST_LIBRARY_IMPL(m) {
   m.impl("describe", FST_KERNEL(describe));
   m.impl("open_handle", FST_KERNEL(open_handle));
   m.impl("verify_tree", FST_KERNEL(verify_tree));
+  m.impl("check_range", FST_KERNEL(check_range));
   m.impl("close_handle", FST_KERNEL(close_handle));
   m.impl("cancel_handle", FST_KERNEL(cancel_handle));
 }

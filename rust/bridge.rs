@@ -313,6 +313,14 @@ mod ffi {
             ready: u64,
         ) -> Result<String>;
 
+        /// Checks `len` bytes at host `address`, file `path`'s bytes from `offset` on (with the
+        /// header hashed from `handle`'s parse), against the manifest `handle` was opened to
+        /// verify with: what a rank of a shared load does for the files it is given to check.
+        ///
+        /// # Safety
+        /// `len` bytes at `address` are readable until this returns.
+        unsafe fn check_range(path: &str, offset: i64, address: u64, len: u64, handle: i64) -> Result<()>;
+
         /// Reads and validates one file's header without reading its data (with a handle: the
         /// header as it was opened).
         fn read_header(path: &str, handle: i64) -> Result<HeaderSpec>;
@@ -524,6 +532,17 @@ fn open_handle(paths: &Vec<String>, cache_dir: &str, verify: &str) -> Result<i64
     })
 }
 
+unsafe fn check_range(path: &str, offset: i64, address: u64, len: u64, handle: i64) -> Result<()> {
+    guard(|| {
+        let offset =
+            u64::try_from(offset).map_err(|_| Error::InvalidArgument(format!("check_range: offset {offset}")))?;
+        let files = opened(handle)?.ok_or_else(|| Error::InvalidArgument("check_range: no handle".into()))?;
+        // SAFETY: the caller's contract.
+        let bytes = unsafe { std::slice::from_raw_parts(address as *const u8, len as usize) };
+        files.check_bytes(Path::new(path), offset, bytes)
+    })
+}
+
 fn verify_tree(dir: &str, verify: &str) -> Result<Vec<String>> {
     use crate::verify::Verdict;
     guard(|| {
@@ -590,11 +609,11 @@ fn share_load(
         };
         let chunk = if chunk == 0 { fanout::DEFAULT_CHUNK } else { chunk }.min(max_len);
         let planned = plan_selected(paths, selection, handle)?;
-        if !planned.checks.files.is_empty() {
+        if !planned.checks.files.is_empty() && streamed {
+            // A shared stream hands out each buffer as it arrives, before its file is whole.
             return Err(Error::InvalidArgument(
-                "verify= is not supported with process_group= yet: each rank reads part of each file, and no rank \
-                 holds every byte to hash; verify on one rank first (fastsafetensors-rs verify), or load without \
-                 a process_group"
+                "verify= with process_group= is supported for load() (the group checks each file once the \
+                 exchange has given a rank the whole of it), not for streams"
                     .into(),
             ));
         }

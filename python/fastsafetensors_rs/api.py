@@ -345,7 +345,7 @@ def load(
     target, cast = _device_name(device), cast_dtype(dtype)
     cache = _cache_dir(cache_dir)
     checked = verify_spec(verify, paths)
-    if checked is not None and (shard is not None or _shared(process_group)):
+    if checked is not None and shard is not None:
         raise ValueError(_VERIFY_SHARED)
     if shard is not None:
         if process_group is None:
@@ -354,7 +354,7 @@ def load(
                                        cache)
     elif _shared(process_group):
         shared = distributed.SharedLoad(paths, target, cast, reader, patterns, mode, process_group, None, False,
-                                        cache_dir=cache)
+                                        cache_dir=cache, verify=checked)
         with _gc_paused():
             out = dict(pair for buffer in shared.buffers() for pair in buffer)
     else:
@@ -428,9 +428,9 @@ class _Interruptible:
         return _interruptible(lambda: load(self), self._device, self._interrupt)
 
 
-_VERIFY_SHARED = ("verify= is not supported with process_group= (or shard=) yet: each rank reads part of each "
-                  "file, and no rank holds every byte to hash. Verify the files once first (fastsafetensors-rs "
-                  "verify), or load each rank's copy without a group")
+_VERIFY_SHARED = ("verify= is not supported with shard= or with a shared stream yet: no rank holds every byte of "
+                  "a file to hash. Load with process_group= alone (the group checks each file once), verify the "
+                  "files once first (fastsafetensors-rs verify), or load without a group")
 
 
 def _cache_dir(cache_dir: Optional[PathLike]) -> Optional[str]:

@@ -121,7 +121,7 @@ class SharedLoad:
 
     def __init__(self, paths: Sequence[str], device: str, dtype: Optional[torch.dtype], reader: Optional[str],
                  patterns: Optional[List[str]], mode: str, group: Any, max_memory: Optional[str], streamed: bool,
-                 handle: int = -1, chunk: int = 0, cache_dir: Optional[str] = None):
+                 handle: int = -1, chunk: int = 0, cache_dir: Optional[str] = None, verify: Optional[str] = None):
         dist = _dist()
         self._dist = dist
         self._group = group
@@ -131,15 +131,22 @@ class SharedLoad:
         self._reader = reader
         request = {"files": list(paths), "tensor_filter": patterns, "tensor_name_match_mode": mode,
                    "dtype": str(dtype), "device": self._device.type, "max_memory": max_memory,
-                   "streamed": streamed}
+                   "streamed": streamed, "verify": verify}
         self._own_handle = handle == -1
         self._handle = -1
+        # A verified load (`verify`: the op's argument): each file is hashed once, by one rank,
+        # from the buffer the exchange filled; every rank learns the outcome before returning.
+        self._verify = verify
+        self._verify_failure: Optional[str] = None
         self.plan: Dict[str, Any] = {}
         failure = None
         try:  # a failure here is every rank's: it goes to the others before raising
             self._check_backend()
+            if verify is not None and self._device.type != "cpu":
+                raise ValueError("verify= with process_group= checks the bytes in host memory: load to the CPU, "
+                                 "or load without a process_group (each rank then verifies what it reads)")
             files = paths if not self._own_handle else checkpoint_files(paths)
-            self._handle = ops.open_handle(files, cache_dir) if self._own_handle else handle
+            self._handle = ops.open_handle(files, cache_dir, verify) if self._own_handle else handle
             text = ops.share_load(files, dtype, patterns, mode, self.world, (max_memory or "") if streamed else None,
                                   chunk, self._handle)
             self.plan = json.loads(text)
@@ -229,6 +236,8 @@ class SharedLoad:
             done = self._finish(pending, failure, memory, specs)
             if done is not None:
                 yield done
+        if self._verify is not None:
+            self._check_verified()
         self.close()
 
     def _finish(self, pending, failure: Optional[str], memory: Dict[int, torch.Tensor],
@@ -241,7 +250,24 @@ class SharedLoad:
             return None
         self._check_reads(failure)
         mem = memory.pop(b)
+        if self._verify is not None and b % self.world == self.rank and self._verify_failure is None:
+            buf = self.plan["buffers"][b]
+            try:
+                ops.check_range(self.plan["files"][buf["file"]], buf["start"], mem[:buf["len"]], self._handle)
+            except RuntimeError as e:
+                self._verify_failure = str(e)
         return [(t["name"], _tensor(t, mem)) for t in specs[b]]
+
+    def _check_verified(self) -> None:
+        """Every rank's verdicts on the files it checked: a mismatch anywhere raises the same
+        error on every rank (a bulk load returns nothing then)."""
+        verdicts: List[Optional[str]] = [None] * self.world
+        self._dist.all_gather_object(verdicts, self._verify_failure, group=self._group)
+        for r, failed in enumerate(verdicts):
+            if failed:
+                self.close()
+                raise RuntimeError(f"{failed} (checked by rank {r} of the {self.world} ranks loading together; "
+                                   "nothing was loaded)")
 
     def _check_reads(self, failure: Optional[str]) -> None:
         ok = torch.tensor([failure is None], dtype=torch.int32, device=self._device)

@@ -88,6 +88,20 @@ impl OpenFiles {
         Ok(self)
     }
 
+    /// Checks `bytes`, file `path`'s from `offset` on, against the verifier these files were
+    /// opened with (the header hashed from the parse): the whole file, or each shard they
+    /// cover. An error if the handle does not verify.
+    pub fn check_bytes(&self, path: &Path, offset: u64, bytes: &[u8]) -> Result<()> {
+        let file = self.file(path)?;
+        let verifier = self.verifier.as_ref().ok_or_else(|| {
+            Error::InvalidArgument(format!("{}: the handle was not opened to verify", path.display()))
+        })?;
+        let check = verifier.check_for(path, &self.headers[file])?;
+        // SAFETY: `bytes` outlive the check, which is finished (and dropped) here.
+        unsafe { check.landed(offset, bytes) };
+        check.finish()
+    }
+
     /// The checks of a load of files `files` (indexes), fresh for each load.
     fn checks(&self, files: &[usize]) -> Result<Checks> {
         let Some(verifier) = &self.verifier else { return Ok(Checks::default()) };

@@ -36,12 +36,15 @@ impl Verifier {
         if !self.complete {
             return Ok(());
         }
-        let loaded: Vec<&str> = paths
-            .iter()
-            .filter_map(|p| self.manifest.entry_for(&p.to_string_lossy()).map(|(name, _)| name))
-            .collect();
+        let loaded: Vec<&str> =
+            paths.iter().filter_map(|p| self.manifest.entry_for(&p.to_string_lossy()).map(|(name, _)| name)).collect();
         let dir = paths.first().and_then(|p| p.parent()).unwrap_or(Path::new("."));
-        match self.manifest.files.keys().find(|n| n.ends_with(".safetensors") && !n.contains('/') && !loaded.contains(&n.as_str())) {
+        match self
+            .manifest
+            .files
+            .keys()
+            .find(|n| n.ends_with(".safetensors") && !n.contains('/') && !loaded.contains(&n.as_str()))
+        {
             Some(name) => Err(Error::NotLoaded { path: dir.join(name), manifest: self.manifest.origin.clone() }),
             None => Ok(()),
         }

@@ -92,6 +92,23 @@ class Worker:
         one = fst.load_file(self.files[3], process_group=self.group)  # fewer files than ranks
         return {"tensors": out, "read": read, "one": one}
 
+    def verified(self) -> dict:
+        """A verified shared load: every file checked once by one rank; a digest that does not
+        match (the last file's, replaced) fails every rank alike."""
+        import hashlib
+
+        import fastsafetensors_rs as fst
+
+        digests = {Path(f).name: "sha256:" + hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in self.files}
+        out = fst.load(self.files, process_group=self.group, verify=fst.Digests(digests))
+        wrong = {**digests, FILES[-1]: "sha256:" + "0" * 64}
+        try:
+            fst.load(self.files, process_group=self.group, verify=fst.Digests(wrong))
+            error = None
+        except RuntimeError as e:
+            error = str(e)
+        return {"tensors": out, "error": error}
+
     def filtered(self) -> dict:
         import fastsafetensors_rs as fst
 
@@ -260,7 +277,7 @@ def owned(value):
     return value
 
 
-SCENARIOS = ["bulk", "filtered", "streamed", "sharded", "mismatch", "plan_failure", "read_failure",
+SCENARIOS = ["bulk", "verified", "filtered", "streamed", "sharded", "mismatch", "plan_failure", "read_failure",
              "different_bytes"]
 
 
@@ -351,6 +368,18 @@ def test_each_byte_is_read_by_one_rank(world, ckpt):
     # Balanced: every rank reads its share, whatever the files' sizes.
     for b in read:
         assert abs(b - total / n) <= 0.05 * total / n + 64 * 4096, (read, total)
+
+
+def test_a_verified_load_checks_each_file_once_and_fails_every_rank_alike(world, ref):
+    n, results = world
+    errors = {r["verified"]["error"] for r in results}
+    assert len(errors) == 1, errors
+    error = errors.pop()
+    assert error is not None and f"{FILES[-1]}: digest mismatch" in error, error
+    if n > 1:
+        assert "checked by rank" in error, error
+    for r in results:
+        U.assert_same_dict(r["verified"]["tensors"], ref)
 
 
 def test_a_filter_reads_only_the_selected_tensors_once(world, ckpt, ref):
