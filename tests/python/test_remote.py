@@ -878,3 +878,26 @@ def test_a_url_to_cuda_without_a_driver_is_the_loaders_clear_error(http_server, 
             fst.load_file(url, device="cuda")
         else:
             list(fst.stream(url, device="cuda"))
+
+
+# ------------------------------------------------------------------------------ verified
+def test_verified_loads_from_s3_and_http_hash_what_the_gets_bring(remote, tmp_path):
+    """A prefix (index and shards), a file whose header is larger than the first GET, and a
+    cached load: right digests pass; a wrong one fails naming the file, with nothing returned."""
+    import hashlib
+    base, local = remote
+    sha = lambda p: "sha256:" + hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
+    digests = {p.name: sha(p) for p in (local / "sharded").glob("*.safetensors")}
+    verify, index = fst.Digests(digests), f"{base}/sharded/model.safetensors.index.json"
+    U.assert_same_dict(fst.load(index, verify=verify), reference_dir(local / "sharded"))
+    U.assert_same_dict(dict(fst.stream(index, verify=verify)), reference_dir(local / "sharded"))
+    big = fst.Digests({"x.safetensors": sha(local / "bigheader" / "x.safetensors")})
+    U.assert_same_dict(fst.load_file(f"{base}/bigheader/x.safetensors", verify=big),
+                       reference(local / "bigheader" / "x.safetensors"))
+    for _ in range(2):  # filling the cache, then from it
+        U.assert_same_dict(fst.load(index, verify=verify, cache_dir=tmp_path / "cache"),
+                           reference_dir(local / "sharded"))
+    wrong = fst.Digests({**digests, "model-00002-of-00002.safetensors": "sha256:" + "1" * 64})
+    for cache in (None, tmp_path / "cache"):
+        with pytest.raises(fst.SafetensorError, match="model-00002-of-00002.safetensors: digest mismatch"):
+            fst.load(index, verify=wrong, cache_dir=cache)
