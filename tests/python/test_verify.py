@@ -272,12 +272,12 @@ def test_a_missing_and_an_extra_file_fail_as_model_signing_says(signed):
     model, signature, public = signed
     save_file({"x": torch.zeros(3)}, str(model / "extra.safetensors"))
     assert not _oms_verifies(model, signature, public)
-    with pytest.raises(SafetensorError, match="extra.safetensors: not listed in model.sig"):
+    with pytest.raises(SafetensorError, match="extra.safetensors: not listed in .*model.sig"):
         fst.load(str(model), verify=Signature(signature, public_key=public))
     (model / "extra.safetensors").unlink()
     (model / FILES[1]).rename(model.parent / "moved.safetensors")
     assert not _oms_verifies(model, signature, public)
-    with pytest.raises(SafetensorError, match=f"{FILES[1]}: listed in model.sig"):
+    with pytest.raises(SafetensorError, match=f"{FILES[1]}: listed in .*model.sig"):
         fst.load(str(model), verify=Signature(signature, public_key=public))
 
 
@@ -407,3 +407,30 @@ def test_the_vllm_plugin_takes_verify_in_its_extra_config(signed):
     assert isinstance(vllm_plugin.parse_options({"verify": {"digests": {FILES[0]: "0" * 64}}})["verify"], Digests)
     with pytest.raises(ValueError, match=r"model_loader_extra_config\['verify'\].*'signature' or 'digests'"):
         vllm_plugin.parse_options({"verify": {"key": "x"}})
+
+
+@pytest.mark.parametrize("chain,ok", [(["root.pem"], True), (["other-root.pem"], False)])
+def test_a_certificate_signature_verifies_against_its_chain_as_model_signing_says(tmp_path, chain, ok):
+    """The committed fixtures (tests/data/oms/README.md): a model signed with
+    `model_signing sign certificate` under root.pem; another root under the same name fails."""
+    data = Path(__file__).resolve().parents[1] / "data" / "oms"
+    model = tmp_path / "model"
+    shutil.copytree(data / "model", model)
+    chain = [str(data / c) for c in chain]
+    try:
+        model_signing.verifying.Config().use_certificate_verifier(certificate_chain=chain).verify(
+            model, data / "cert.sig")
+        theirs = True
+    except Exception:  # noqa: BLE001 - any rejection
+        theirs = False
+    assert theirs == ok
+    verify = Signature(data / "cert.sig", certificate_chain=chain)
+    if ok:
+        got = fst.load(str(model / "model.safetensors"), verify=verify)
+        U.assert_same_dict(got, load_file(str(model / "model.safetensors")))
+        _flip(model / "model.safetensors", (model / "model.safetensors").stat().st_size - 1)
+        with pytest.raises(SafetensorError, match="model.safetensors: digest mismatch"):
+            fst.load(str(model / "model.safetensors"), verify=verify)
+    else:
+        with pytest.raises(SafetensorError, match="signature does not verify"):
+            fst.load(str(model / "model.safetensors"), verify=verify)
