@@ -495,3 +495,84 @@ fn a_file_that_changes_mid_device_stream_is_an_error() {
     assert!(matches!(err, Error::Changed { .. } | Error::Truncated { .. }), "{err}");
     assert_eq!(device.in_flight(), 0);
 }
+
+/// Verified streams, to host memory and to the device stand-in: every group arrives when the
+/// digests match; with file 0's digest wrong, the stream fails at file 0's last group and
+/// hands out no group of file 1.
+#[test]
+fn verified_streams_stop_at_a_bad_file_before_the_next() {
+    use fastsafetensors::load::plan_verified;
+    use fastsafetensors::source;
+    use fastsafetensors::verify::{manifest, Verifier};
+    use sha2::Digest as _;
+    let dir = TempDir::new("verified-stream");
+    let (paths, files) = checkpoint(&dir, 8);
+    let digests = |wrong: bool| {
+        let mut d: std::collections::BTreeMap<String, String> = paths
+            .iter()
+            .zip(&files)
+            .map(|(p, f)| {
+                (p.file_name().unwrap().to_string_lossy().into_owned(), format!("{:x}", sha2::Sha256::digest(f)))
+            })
+            .collect();
+        if wrong {
+            let first = paths[0].file_name().unwrap().to_string_lossy().into_owned();
+            d.insert(first, "00".repeat(32));
+        }
+        Verifier::new(manifest::from_digests(&d).unwrap(), false)
+    };
+    let options = StreamOptions { block: IO_ALIGN, group: 2 * IO_ALIGN, ..StreamOptions::with_budget(8 * IO_ALIGN) };
+    let planned = |wrong| plan_verified(source::open_all(&paths).unwrap(), Some(&digests(wrong))).unwrap();
+
+    // Host memory.
+    let mut stream = TensorStream::open(planned(false), options.clone()).unwrap();
+    let mut count = 0;
+    while let Some(group) = stream.next_group().unwrap() {
+        count += group.tensors.len();
+    }
+    assert_eq!(count, stream.tensor_count());
+    let mut stream = TensorStream::open(planned(true), options.clone()).unwrap();
+    let mut seen = Vec::new();
+    let err = loop {
+        match stream.next_group() {
+            Ok(Some(group)) => seen.push(group.file),
+            Ok(None) => panic!("the stream ended without the mismatch"),
+            Err(e) => break e,
+        }
+    };
+    assert!(matches!(&err, Error::DigestMismatch { path, .. } if *path == paths[0]), "{err}");
+    assert!(!seen.contains(&1), "a group of file 1 was handed out before file 0 failed");
+
+    // The device stand-in, through the copier.
+    for wrong in [false, true] {
+        let stream = DeviceStream::open(planned(wrong), &options).unwrap();
+        let len: u64 = (0..stream.group_count()).map(|k| stream.alloc_len(k) + 8192).sum();
+        let device = Arc::new(HostMemoryDevice::new(len as usize));
+        let shared = Arc::clone(&device);
+        let copier = Copier::start(stream, move |_| Ok(Arc::clone(&shared))).unwrap();
+        let mut base = 0;
+        let mut outcome = Ok(());
+        let mut waited = Vec::new();
+        for k in 0..copier.stream().group_count() {
+            copier.submit(k, base, 0).unwrap();
+            base += copier.stream().alloc_len(k) + 8192;
+            match copier.wait(k) {
+                Ok(_) => waited.push(copier.stream().file(k).0),
+                Err(e) => {
+                    outcome = Err(e);
+                    break;
+                }
+            }
+        }
+        drop(copier);
+        assert_eq!(device.in_flight(), 0);
+        match (wrong, outcome) {
+            (false, outcome) => assert!(outcome.is_ok(), "{outcome:?}"),
+            (true, Err(Error::DigestMismatch { path, .. })) => {
+                assert_eq!(path, paths[0]);
+                assert!(!waited.contains(&1), "a group of file 1 was handed out before file 0 failed");
+            }
+            (true, other) => panic!("expected a digest mismatch, got {other:?}"),
+        }
+    }
+}
