@@ -101,9 +101,8 @@ impl Checks {
             rest = later;
             let wanted: Vec<(u64, u64)> = mine.iter().map(|e| (e.start, e.start + e.expected)).collect();
             let check = &self.files[file];
-            let covered = |(a, b): (u64, u64)| mine.iter().any(|e| e.start <= a && b <= e.start + e.expected);
             match check.bytes_to_read(&wanted) {
-                Some(span) if !covered(span) => {
+                Some(span) if !covers(mine, span) => {
                     if check.is_whole_file() && !self.full {
                         return Err(Error::PartialVerify {
                             path: check.path().to_owned(),
@@ -524,6 +523,17 @@ fn map_what_does_not_fit(how: &mut [HostRead], wanted: &[u64], mappable: &[bool]
         }
     }
     Ok(())
+}
+
+/// Whether `extents` (of one file, in offset order) read every byte of `[span.0, span.1)`.
+pub(crate) fn covers<'a>(extents: impl IntoIterator<Item = &'a Extent>, span: (u64, u64)) -> bool {
+    let mut reached = span.0;
+    for e in extents {
+        if e.start <= reached {
+            reached = reached.max(e.start + e.expected);
+        }
+    }
+    reached >= span.1
 }
 
 /// Says once per process why GPUDirect Storage is not used.

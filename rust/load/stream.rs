@@ -108,14 +108,8 @@ pub(crate) fn check_coverage(checks: &Checks, groups: &[PlannedGroup]) -> Result
     for (file, check) in checks.files.iter().enumerate() {
         let mine: Vec<&Extent> = groups.iter().map(|(e, _)| e).filter(|e| e.file == file).collect();
         let wanted: Vec<(u64, u64)> = mine.iter().map(|e| (e.start, e.start + e.expected)).collect();
-        let Some((from, to)) = check.bytes_to_read(&wanted) else { continue };
-        let mut reached = from;
-        for e in &mine {
-            if e.start <= reached {
-                reached = reached.max(e.start + e.expected);
-            }
-        }
-        if reached < to {
+        let Some(span) = check.bytes_to_read(&wanted) else { continue };
+        if !load::covers(mine.iter().copied(), span) {
             return Err(Error::InvalidArgument(format!(
                 "{}: a verified stream hands out only what it checks, and this selection reads part of what {} \
                  has one digest for: stream the whole file, or load the selection with load(), whose full=True reads the rest to check it",

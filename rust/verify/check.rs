@@ -137,7 +137,7 @@ impl Block {
 }
 
 impl FileCheck {
-    fn new(path: &Path, file_len: u64, expected: &Expected, origin: &str) -> Result<FileCheck> {
+    pub(crate) fn new(path: &Path, file_len: u64, expected: &Expected, origin: &str) -> Result<FileCheck> {
         let segment = |start, end, expected: &Digest| Segment {
             start,
             end,

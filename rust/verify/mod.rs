@@ -336,43 +336,33 @@ fn same_file(a: &Path, b: &Path) -> bool {
     }
 }
 
-/// One file's digests, read once in order (each shard's bytes to its own hasher).
+/// One file's digests, read once in order: a [`FileCheck`] fed each chunk as it is read
+/// (in order, so hashed at once), whose verdict becomes the file's.
 fn hash_file(path: &Path, expected: &Expected) -> Result<Verdict> {
     use std::io::Read;
     let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, "open", e))?;
     let len = file.metadata().map_err(|e| Error::io(path, "stat", e))?.len();
-    let shards: Vec<Shard> = match expected {
-        Expected::Whole(d) => vec![Shard { start: 0, end: len, digest: d.clone() }],
-        Expected::Shards(s) => s.clone(),
+    let check = match FileCheck::new(path, len, expected, "") {
+        Ok(check) => check,
+        Err(e) => return changed(e),
     };
-    let signed = shards.last().map_or(0, |s| s.end);
-    if signed != len {
-        return Ok(Verdict::Changed {
-            start: 0,
-            end: len,
-            expected: format!("a file of {signed} bytes"),
-            actual: format!("one of {len} bytes"),
-        });
-    }
     let mut buf = vec![0u8; 8 << 20];
-    for shard in shards {
-        let mut hasher = shard.digest.algorithm.hasher();
-        let mut left = shard.end - shard.start;
-        while left > 0 {
-            let want = left.min(buf.len() as u64) as usize;
-            file.read_exact(&mut buf[..want]).map_err(|e| Error::io(path, "read", e))?;
-            hasher.update(&buf[..want]);
-            left -= want as u64;
-        }
-        let actual = hasher.finish();
-        if actual != shard.digest {
-            return Ok(Verdict::Changed {
-                start: shard.start,
-                end: shard.end,
-                expected: shard.digest.to_string(),
-                actual: actual.to_string(),
-            });
-        }
+    let mut offset = 0;
+    while offset < len {
+        let want = (len - offset).min(buf.len() as u64) as usize;
+        file.read_exact(&mut buf[..want]).map_err(|e| Error::io(path, "read", e))?;
+        check.landed_transient(offset, &buf[..want]);
+        offset += want as u64;
     }
-    Ok(Verdict::Ok)
+    check.finish().map_or_else(changed, |()| Ok(Verdict::Ok))
+}
+
+/// A digest mismatch as a [`Verdict`]; other errors stay errors.
+fn changed(e: Error) -> Result<Verdict> {
+    match e {
+        Error::DigestMismatch { start, end, expected, actual, .. } => {
+            Ok(Verdict::Changed { start, end, expected, actual })
+        }
+        e => Err(e),
+    }
 }
