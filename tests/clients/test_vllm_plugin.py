@@ -83,6 +83,23 @@ def test_get_all_weights_is_bit_exact(checkpoint):
     assert_bit_exact(got, reference(checkpoint_files(checkpoint)))
 
 
+def test_verify_in_the_extra_config_checks_every_file(checkpoint, tmp_path):
+    """`{"verify": {"digests": ...}}` through vLLM's own loader: the right digests give the
+    same weights; a wrong one fails naming the file."""
+    import hashlib
+
+    files = [Path(f) for f in checkpoint_files(checkpoint)]
+    digests = {f.name: "sha256:" + hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
+    config = harness.vllm_config(checkpoint, FORMAT)
+    loader = loader_for(FORMAT, {"verify": {"digests": digests}})
+    got = collect(loader.get_all_weights(config.model_config, torch.nn.Module()))
+    assert_bit_exact(got, reference(checkpoint_files(checkpoint)))
+    wrong = {**digests, files[-1].name: "sha256:" + "0" * 64}
+    loader = loader_for(FORMAT, {"verify": {"digests": wrong}})
+    with pytest.raises(Exception, match=f"{re.escape(files[-1].name)}: digest mismatch"):
+        collect(loader.get_all_weights(config.model_config, torch.nn.Module()))
+
+
 @pytest.mark.skipif(not harness.can_build_models_on_cpu(),
                     reason="vLLM before 0.33 does not build models on the CPU from its CUDA wheel")
 def test_load_model_equals_vllms_safetensors_load(checkpoint):
