@@ -116,8 +116,7 @@ def _torch_build_ext():
         def build_extensions(self):
             if shutil.which("cargo") is None:
                 raise SystemExit("fastsafetensors-rs: building needs cargo (a Rust toolchain: https://rustup.rs)")
-            subprocess.check_call(
-                ["cargo", "build", "--locked", "--lib", "--profile", profile, "--target-dir", target], cwd=ROOT)
+            _cargo_build(profile, target)
             for ext in self.extensions:
                 self._configure(ext)
                 info_path = os.path.join(os.path.dirname(self.get_ext_fullpath(ext.name)), build_info.FILE)
@@ -173,6 +172,26 @@ def _torch_build_ext():
             )
 
     return BuildWithCargo
+
+
+def _cargo_build(profile, target):
+    """`cargo build` of the staticlib. cargo's messages stream through as it runs; on failure
+    its error lines are repeated last, with the free disk space, because pip's and CI's logs
+    often keep only the tail (a traceback) of a failed build."""
+    cmd = ["cargo", "build", "--locked", "--lib", "--profile", profile, "--target-dir", target]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True, errors="replace")
+    errors = []
+    for line in proc.stderr:
+        sys.stderr.write(line)
+        if line.lstrip().startswith(("error", "warning: build failed", "Caused by")):
+            errors.append(line.rstrip())
+        elif errors and len(errors) < 60:
+            errors.append(line.rstrip())  # the lines that explain the error
+    if proc.wait() != 0:
+        free = shutil.disk_usage(target if os.path.isdir(target) else ROOT).free
+        raise SystemExit(
+            f"fastsafetensors-rs: `{' '.join(cmd)}` failed (exit {proc.returncode}), "
+            f"{free / 2**30:.1f} GiB free under {target}:\n" + "\n".join(errors[-60:]))
 
 
 def _abi(release, build_info) -> str:
