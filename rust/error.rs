@@ -137,6 +137,9 @@ pub enum Error {
     /// A load that reads part of a file cannot check a digest of the whole file.
     #[error("{}: {manifest} has a digest of the whole file, but this load reads only part of it: pass full=True to the Signature or Digests (or verify=\"full\" for verify=True) to read the rest and check it, or load the whole file", .path.display())]
     PartialVerify { path: PathBuf, manifest: String },
+    /// A tensor handed to a save that safetensors cannot store as it is.
+    #[error("tensor '{name}' cannot be saved: {why}")]
+    SaveRefused { name: String, why: String },
 }
 
 /// "tensor_filter names 2 tensors that are in none of the files (a, b): 'x', 'y'", with at

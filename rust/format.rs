@@ -499,6 +499,44 @@ impl<'de> Visitor<'de> for RawHeaderVisitor {
     }
 }
 
+/// What opens a file as safetensors writes it: the 8-byte length, then the header JSON for
+/// `tensors` in the order given, `__metadata__` first (keys sorted), compact, with spaces to
+/// a multiple of 8 bytes so that the data starts aligned. safetensors' own writer and this one
+/// both escape names with serde_json, so the same tensors give the same bytes.
+pub fn serialize_header(tensors: &[TensorInfo], metadata: Option<&BTreeMap<String, String>>) -> Vec<u8> {
+    let quoted = |s: &str| serde_json::to_string(s).expect("a string always serializes");
+    let mut json = String::from("{");
+    if let Some(metadata) = metadata {
+        json.push_str(&format!("\"{METADATA_KEY}\":"));
+        json.push_str(&serde_json::to_string(metadata).expect("a map of strings always serializes"));
+    }
+    for t in tensors {
+        if json.len() > 1 {
+            json.push(',');
+        }
+        let shape: Vec<String> = t.shape.iter().map(u64::to_string).collect();
+        json.push_str(&format!(
+            r#"{}:{{"dtype":"{}","shape":[{}],"data_offsets":[{},{}]}}"#,
+            quoted(&t.name),
+            t.dtype.name(),
+            shape.join(","),
+            t.begin,
+            t.end
+        ));
+    }
+    json.push('}');
+    let padded = align_to_8(json.len() as u64);
+    let mut out = Vec::with_capacity(LEN_PREFIX as usize + padded as usize);
+    out.extend_from_slice(&padded.to_le_bytes());
+    out.extend_from_slice(json.as_bytes());
+    out.resize(LEN_PREFIX as usize + padded as usize, b' ');
+    out
+}
+
+fn align_to_8(n: u64) -> u64 {
+    n.div_ceil(8) * 8
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -509,6 +547,55 @@ mod tests {
         out.extend_from_slice(json.as_bytes());
         out.resize(out.len() + data_len, 0);
         out
+    }
+
+    fn info(name: &str, dtype: Dtype, shape: &[u64], begin: u64, end: u64) -> TensorInfo {
+        TensorInfo { name: name.into(), dtype, shape: shape.to_vec(), begin, end }
+    }
+
+    /// The bytes `serialize_header` writes, as safetensors 0.8's `save_file` wrote them for
+    /// the same tensors (recorded from it).
+    #[test]
+    fn headers_are_the_bytes_safetensors_writes() {
+        let expect = |bytes: Vec<u8>, json: &str, data_len: usize| {
+            assert_eq!(u64::from_le_bytes(bytes[..8].try_into().unwrap()), json.len() as u64);
+            assert_eq!(std::str::from_utf8(&bytes[8..]).unwrap(), json);
+            parse_header(&bytes[8..], (bytes.len() + data_len) as u64).expect("what we write parses");
+        };
+        expect(serialize_header(&[], None), "{}      ", 0);
+        let pt = BTreeMap::from([("format".to_string(), "pt".to_string())]);
+        expect(serialize_header(&[], Some(&pt)), r#"{"__metadata__":{"format":"pt"}}"#, 0);
+        let escaped = BTreeMap::from([("k\"".to_string(), "v\u{e9}\n".to_string())]);
+        let tensors = [
+            info("e", Dtype::I64, &[0, 3], 0, 0),
+            info("s", Dtype::F32, &[], 0, 4),
+            info("q\"\\\n\t\u{1}/\u{fc}", Dtype::BF16, &[2], 4, 8),
+            info("b", Dtype::BOOL, &[1], 8, 9),
+        ];
+        expect(
+            serialize_header(&tensors, Some(&escaped)),
+            concat!(
+                r#"{"__metadata__":{"k\"":"vé\n"},"e":{"dtype":"I64","shape":[0,3],"data_offsets":[0,0]},"#,
+                r#""s":{"dtype":"F32","shape":[],"data_offsets":[0,4]},"#,
+                r#""q\"\\\n\t\u0001/ü":{"dtype":"BF16","shape":[2],"data_offsets":[4,8]},"#,
+                r#""b":{"dtype":"BOOL","shape":[1],"data_offsets":[8,9]}}"#
+            ),
+            9,
+        );
+        expect(
+            serialize_header(&[info("x", Dtype::F4, &[3, 4], 0, 6)], None),
+            r#"{"x":{"dtype":"F4","shape":[3,4],"data_offsets":[0,6]}} "#,
+            6,
+        );
+    }
+
+    /// safetensors 0.8 writes `{},"__metadata__":{}}` for an empty metadata map, which no
+    /// reader parses; the header written here is the valid one.
+    #[test]
+    fn empty_metadata_is_valid_json() {
+        let bytes = serialize_header(&[], Some(&BTreeMap::new()));
+        assert_eq!(&bytes[8..], br#"{"__metadata__":{}}     "#);
+        assert_eq!(parse_header(&bytes[8..], bytes.len() as u64).unwrap().metadata, Some(BTreeMap::new()));
     }
 
     #[test]

@@ -17,6 +17,9 @@
 //! - [`load`]: the loads that run those for a set of files: paths resolved to checkpoint files
 //!   ([`load::checkpoint`]), bulk loads to host or device, streams ([`load::stream`],
 //!   [`load::device_stream`]), files held open across loads ([`load::handle`]);
+//! - [`sink`] and [`save`]: saving, the mirror of loading: the layout planned in
+//!   [`plan::save`], bytes gathered from host or device memory and written through a
+//!   [`sink::Sink`] (a local file under a temporary name, published when durable);
 //! - [`bridge`]: the only FFI surface. The C++ torch extension calls it, wraps the buffers as
 //!   tensors and carries out what it says for each tensor.
 
@@ -26,7 +29,9 @@ pub mod error;
 pub mod format;
 pub mod load;
 pub mod plan;
+pub mod save;
 pub mod settings;
+pub mod sink;
 pub mod source;
 pub mod verify;
 

@@ -131,6 +131,18 @@ impl Stream {
         unsafe { result::memcpy_htod_async(dst, bytes, self.raw) }.map_err(|e| cuda_error("cuMemcpyHtoDAsync", e))
     }
 
+    /// Enqueues a copy of `len` bytes at device address `src` into `dst[at..at + len]`. `dst`
+    /// must not be read, written or freed until an event recorded after this copy, or the
+    /// stream, has completed.
+    pub fn copy_to_host(&self, dst: &mut PinnedBuffer, at: usize, len: usize, src: u64) -> Result<()> {
+        let bytes = &mut dst.as_mut_slice()[at..at + len];
+        let _current = self.ctx.enter()?;
+        // SAFETY: `src` is device memory of at least `len` bytes (a tensor the caller keeps
+        // alive for the save); `bytes` is pinned and outlives the copy because the pipeline
+        // waits for the copy before reading, reusing or freeing it.
+        unsafe { result::memcpy_dtoh_async(bytes, src, self.raw) }.map_err(|e| cuda_error("cuMemcpyDtoHAsync", e))
+    }
+
     /// Makes the work queued on this stream from now on wait until `event` has completed.
     /// `event` may belong to another library (torch's).
     pub fn wait_for(&self, event: RawEvent) -> Result<()> {

@@ -66,6 +66,9 @@ pub trait Device: Sync {
     /// Starts copying `staging[..len]` to device address `dst`. On error the copy may still
     /// have been queued: `wait` then still waits for it.
     fn copy_async(&self, staging: &mut Self::Staging, len: usize, dst: u64) -> Result<()>;
+    /// Starts copying `len` bytes at device address `src` into `staging[at..at + len]` (the
+    /// way a save takes tensors off the device). `wait` waits for it as for a copy out.
+    fn copy_to_host_async(&self, staging: &mut Self::Staging, at: usize, len: usize, src: u64) -> Result<()>;
     /// Blocks until the last copy out of `staging` has completed.
     fn wait(&self, staging: &mut Self::Staging) -> Result<()>;
     /// Orders the copies queued from now on after the work the destination's previous owner
@@ -218,6 +221,14 @@ impl Device for CudaDevice {
         Ok(())
     }
 
+    fn copy_to_host_async(&self, staging: &mut CudaStaging, at: usize, len: usize, src: u64) -> Result<()> {
+        staging.pending = Pending::Queued;
+        self.stream.copy_to_host(&mut staging.buffer, at, len, src)?;
+        staging.copied.record(&self.stream)?;
+        staging.pending = Pending::Recorded;
+        Ok(())
+    }
+
     fn wait(&self, staging: &mut CudaStaging) -> Result<()> {
         match staging.pending {
             Pending::None => {}
@@ -303,6 +314,24 @@ enum Queued {
         dst: u64,
     },
     Prior(u64, Vec<u8>),
+    /// (copy number, staging id, source address, len, destination in the staging buffer)
+    ToHost {
+        seq: usize,
+        staging: u64,
+        src: u64,
+        len: usize,
+        dst: usize,
+    },
+}
+
+impl Queued {
+    /// The copy number and staging buffer of a copy in either direction.
+    fn copy(&self) -> Option<(usize, u64)> {
+        match *self {
+            Queued::Copy { seq, staging, .. } | Queued::ToHost { seq, staging, .. } => Some((seq, staging)),
+            Queued::Prior(..) => None,
+        }
+    }
 }
 
 pub struct HostStaging {
@@ -318,7 +347,7 @@ impl Drop for HostStaging {
         let mut state = self.state.lock().unwrap();
         let before = state.queue.len();
         // The copy would read freed memory: count it and drop it from the queue.
-        state.queue.retain(|q| !matches!(q, Queued::Copy { staging, .. } if *staging == self.id));
+        state.queue.retain(|q| q.copy().is_none_or(|(_, staging)| staging != self.id));
         if state.queue.len() != before {
             state.freed_in_flight += 1;
         }
@@ -345,6 +374,15 @@ impl HostState {
                     }
                 }
                 Queued::Prior(dst, bytes) => self.write(dst, &bytes),
+                Queued::ToHost { seq, src, len, dst, .. } => {
+                    let src = src as usize;
+                    // SAFETY: as above, `dst` points into a live staging buffer's mapping.
+                    let out = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len) };
+                    out.copy_from_slice(&self.memory[src..src + len]);
+                    if Some(seq) == until {
+                        return;
+                    }
+                }
             }
         }
     }
@@ -429,7 +467,7 @@ impl HostMemoryDevice {
 
     /// Copies queued and not yet run.
     pub fn in_flight(&self) -> usize {
-        self.state.lock().unwrap().queue.iter().filter(|q| matches!(q, Queued::Copy { .. })).count()
+        self.state.lock().unwrap().queue.iter().filter(|q| q.copy().is_some()).count()
     }
 
     /// Staging buffers allocated so far.
@@ -489,14 +527,8 @@ impl Device for HostMemoryDevice {
     }
 
     fn bytes<'a>(&self, staging: &'a mut HostStaging) -> &'a mut [u8] {
-        let queued = self
-            .state
-            .lock()
-            .unwrap()
-            .queue
-            .iter()
-            .any(|q| matches!(q, Queued::Copy { staging: s, .. } if *s == staging.id));
-        assert!(!queued, "staging buffer written while its copy is in flight");
+        let queued = self.state.lock().unwrap().queue.iter().any(|q| q.copy().is_some_and(|(_, s)| s == staging.id));
+        assert!(!queued, "staging buffer touched while its copy is in flight");
         &mut staging.buffer
     }
 
@@ -526,10 +558,28 @@ impl Device for HostMemoryDevice {
         Ok(())
     }
 
+    fn copy_to_host_async(&self, staging: &mut HostStaging, at: usize, len: usize, src: u64) -> Result<()> {
+        let mut state = self.state.lock().unwrap();
+        let seq = state.copies;
+        if self.faults.copy == Some(seq) {
+            return Err(Error::Cuda(format!("copy {seq} failed (injected)")));
+        }
+        state.copies += 1;
+        let end = src as usize + len;
+        if end > state.memory.len() || at + len > staging.buffer.len() {
+            return Err(Error::Cuda(format!("copy from {src}..{end} is out of device or staging memory")));
+        }
+        state.staging_used.insert(staging.id);
+        let dst = staging.buffer.as_mut_ptr() as usize + at;
+        state.queue.push_back(Queued::ToHost { seq, staging: staging.id, src, len, dst });
+        staging.last_copy = Some(seq);
+        Ok(())
+    }
+
     fn wait(&self, staging: &mut HostStaging) -> Result<()> {
         let Some(seq) = staging.last_copy else { return Ok(()) };
         let mut state = self.state.lock().unwrap();
-        let queued = state.queue.iter().any(|q| matches!(q, Queued::Copy { seq: s, .. } if *s == seq));
+        let queued = state.queue.iter().any(|q| q.copy().is_some_and(|(s, _)| s == seq));
         if queued {
             if let Some(after) = self.faults.wait_after {
                 if state.copies >= after && !state.wait_failed {
@@ -537,7 +587,7 @@ impl Device for HostMemoryDevice {
                     return Err(Error::Cuda(format!("waiting for copy {seq} failed (injected)")));
                 }
             }
-            let older_queued = state.queue.iter().any(|q| matches!(q, Queued::Copy { seq: s, .. } if *s < seq));
+            let older_queued = state.queue.iter().any(|q| q.copy().is_some_and(|(s, _)| s < seq));
             if seq + 1 == state.copies && older_queued {
                 state.newest_waits += 1;
             }

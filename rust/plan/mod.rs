@@ -9,6 +9,7 @@
 //! extent's size, so that it can be handed out while the next ones are read.
 
 pub mod fanout;
+pub mod save;
 pub mod select;
 pub mod target;
 

@@ -1,0 +1,476 @@
+//! Planning a save: tensors → files → byte ranges, and the header safetensors would write.
+//!
+//! Pure computation, the mirror of planning a load. [`plan_file`] lays out one file exactly as
+//! safetensors' `save_file` does (tensors sorted by dtype, widest first, then by name; each
+//! tensor's bytes right after the previous one's; the header padded to 8 bytes), so that the
+//! same tensors give the same file. [`plan_shards`] splits a checkpoint into files named as
+//! transformers' `save_pretrained` names them, balanced by bytes; [`index_json`] is the index
+//! it writes beside them. [`check_shared`] refuses tensors that share memory, as safetensors
+//! does.
+
+use std::collections::{BTreeMap, HashSet};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+use crate::format::{self, Dtype, TensorInfo};
+
+/// Name of a checkpoint saved as one file.
+pub const SINGLE_FILE: &str = "model.safetensors";
+/// Name of the index of a sharded checkpoint.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// A tensor handed to a save: its name, dtype, shape on disk, and the index of its bytes in
+/// the caller's list of sources.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SaveTensor {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<u64>,
+    pub source: usize,
+}
+
+impl SaveTensor {
+    /// A tensor as torch describes it: torch's dtype name ("bfloat16") and shape. torch holds
+    /// two float4 values per element, safetensors counts values: the last dimension doubles.
+    pub fn from_torch(name: &str, torch_dtype: &str, shape: &[i64], source: usize) -> Result<SaveTensor> {
+        let refuse = |why: String| Error::SaveRefused { name: name.to_owned(), why };
+        let dtype = dtype_of_torch(torch_dtype)
+            .ok_or_else(|| refuse(format!("safetensors has no dtype for torch.{torch_dtype}")))?;
+        let mut shape: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
+        if dtype == Dtype::F4 {
+            let last = shape
+                .last_mut()
+                .ok_or_else(|| refuse("a 0-d torch.float4_e2m1fn_x2 holds two values, which safetensors cannot describe: give it a dimension".into()))?;
+            *last *= 2;
+        }
+        Ok(SaveTensor { name: name.to_owned(), dtype, shape, source })
+    }
+
+    pub fn nbytes(&self) -> Result<u64> {
+        format::byte_len(&self.name, self.dtype, &self.shape)
+            .map_err(|e| Error::SaveRefused { name: self.name.clone(), why: e.to_string() })
+    }
+}
+
+/// The safetensors dtype of a torch dtype (its name without "torch.").
+pub fn dtype_of_torch(name: &str) -> Option<Dtype> {
+    use Dtype::*;
+    Some(match name {
+        "bool" => BOOL,
+        "uint8" => U8,
+        "int8" => I8,
+        "int16" => I16,
+        "uint16" => U16,
+        "int32" => I32,
+        "uint32" => U32,
+        "int64" => I64,
+        "uint64" => U64,
+        "float16" => F16,
+        "bfloat16" => BF16,
+        "float32" => F32,
+        "float64" => F64,
+        "complex64" => C64,
+        "float8_e4m3fn" => F8_E4M3,
+        "float8_e5m2" => F8_E5M2,
+        "float8_e4m3fnuz" => F8_E4M3FNUZ,
+        "float8_e5m2fnuz" => F8_E5M2FNUZ,
+        "float8_e8m0fnu" => F8_E8M0,
+        "float4_e2m1fn_x2" => F4,
+        _ => return None,
+    })
+}
+
+/// One tensor's place in a file: the caller's source, the file offset, the byte count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Placed {
+    pub source: usize,
+    pub offset: u64,
+    pub nbytes: u64,
+}
+
+/// One file to write: the bytes that open it, then its tensors' bytes, in file order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileLayout {
+    pub path: PathBuf,
+    /// The 8-byte length and the header JSON.
+    pub header: Vec<u8>,
+    /// Sorted by offset, back to back from `header.len()` to `len`.
+    pub tensors: Vec<Placed>,
+    pub len: u64,
+    /// Tensor names, in file order (for the index).
+    pub names: Vec<String>,
+}
+
+/// Lays out one file as safetensors writes it.
+pub fn plan_file(
+    path: &Path,
+    mut tensors: Vec<SaveTensor>,
+    metadata: Option<&BTreeMap<String, String>>,
+) -> Result<FileLayout> {
+    check_names(&tensors)?;
+    // safetensors' order: widest dtype first (so every tensor is aligned to its dtype), then
+    // by name (bytewise), whatever order the caller's dict had.
+    tensors.sort_by(|a, b| b.dtype.cmp(&a.dtype).then_with(|| a.name.cmp(&b.name)));
+    let mut infos = Vec::with_capacity(tensors.len());
+    let mut at = 0u64;
+    for t in &tensors {
+        let n = t.nbytes()?;
+        infos.push(TensorInfo { name: t.name.clone(), dtype: t.dtype, shape: t.shape.clone(), begin: at, end: at + n });
+        at += n;
+    }
+    let header = format::serialize_header(&infos, metadata);
+    let start = header.len() as u64;
+    let placed = tensors
+        .iter()
+        .zip(&infos)
+        .map(|(t, i)| Placed { source: t.source, offset: start + i.begin, nbytes: i.nbytes() })
+        .collect();
+    Ok(FileLayout {
+        path: path.to_owned(),
+        header,
+        tensors: placed,
+        len: start + at,
+        names: tensors.into_iter().map(|t| t.name).collect(),
+    })
+}
+
+fn check_names(tensors: &[SaveTensor]) -> Result<()> {
+    let mut seen = HashSet::with_capacity(tensors.len());
+    for t in tensors {
+        if t.name == "__metadata__" {
+            return Err(Error::SaveRefused {
+                name: t.name.clone(),
+                why: "the name is reserved for the header's metadata".into(),
+            });
+        }
+        if !seen.insert(t.name.as_str()) {
+            return Err(Error::SaveRefused { name: t.name.clone(), why: "the name is given twice".into() });
+        }
+    }
+    Ok(())
+}
+
+/// The memory a tensor spans: its device (-1 for host memory) and address range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Span {
+    pub device: i64,
+    pub begin: u64,
+    pub end: u64,
+}
+
+/// Refuses tensors whose memory overlaps, as safetensors does: their bytes would be stored
+/// twice and load back as separate tensors. Empty tensors span nothing.
+pub fn check_shared(names: &[String], spans: &[Span]) -> Result<()> {
+    let mut order: Vec<usize> = (0..spans.len()).filter(|&i| spans[i].end > spans[i].begin).collect();
+    order.sort_by_key(|&i| (spans[i].device, spans[i].begin, spans[i].end));
+    for pair in order.windows(2) {
+        let (a, b) = (&spans[pair[0]], &spans[pair[1]]);
+        if a.device == b.device && b.begin < a.end {
+            let (first, second) = (&names[pair[0]], &names[pair[1]]);
+            return Err(Error::SaveRefused {
+                name: second.clone(),
+                why: format!(
+                    "it shares memory with tensor '{first}', and safetensors stores no shared tensors: save one of them, or a .clone() of the other"
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Files of a sharded save: `model-00001-of-0000N.safetensors`, or `model.safetensors` alone.
+pub fn shard_names(count: usize) -> Vec<String> {
+    if count == 1 {
+        return vec![SINGLE_FILE.to_owned()];
+    }
+    (1..=count).map(|i| format!("model-{i:05}-of-{count:05}.safetensors")).collect()
+}
+
+/// Splits tensors (their sizes, in the caller's order) into consecutive shards. As many shards
+/// as transformers makes for `max_shard_size` (a new shard when the next tensor would tip the
+/// current one over; a tensor larger than the limit alone), then the boundaries moved so that
+/// the shards are as even in bytes as the order allows: the same count, written in parallel
+/// by as many writers, finishes when the largest one does.
+pub fn plan_shards(sizes: &[u64], max_shard_size: u64) -> Vec<Range<usize>> {
+    if sizes.is_empty() {
+        return vec![0..0];
+    }
+    let count = greedy(sizes, max_shard_size.max(1)).len();
+    // The smallest cap that still gives at most `count` shards (greedy packing under a cap
+    // gives the fewest shards for that cap): binary search between the largest tensor and the
+    // limit the caller gave.
+    let (mut low, mut high) = (*sizes.iter().max().unwrap(), sizes.iter().sum::<u64>());
+    while low < high {
+        let mid = low + (high - low) / 2;
+        if greedy(sizes, mid).len() <= count {
+            high = mid;
+        } else {
+            low = mid + 1;
+        }
+    }
+    greedy(sizes, low)
+}
+
+/// transformers' packing: fill a shard until the next tensor would pass `cap`.
+fn greedy(sizes: &[u64], cap: u64) -> Vec<Range<usize>> {
+    let mut shards = Vec::new();
+    let (mut start, mut bytes) = (0, 0u64);
+    for (i, &n) in sizes.iter().enumerate() {
+        if i > start && bytes + n > cap {
+            shards.push(start..i);
+            (start, bytes) = (i, 0);
+        }
+        bytes += n;
+    }
+    shards.push(start..sizes.len());
+    shards
+}
+
+/// The index transformers writes beside a sharded checkpoint, byte for byte: Python's
+/// `json.dumps(index, indent=2, sort_keys=True) + "\n"` (non-ASCII escaped as `\uXXXX`).
+pub fn index_json(total_size: u64, weight_map: &BTreeMap<String, String>) -> Vec<u8> {
+    let metadata = BTreeMap::from([("total_size", total_size)]);
+    let index = serde_json::json!({ "metadata": metadata, "weight_map": weight_map });
+    let mut out = Vec::new();
+    let formatter = AsciiFormatter(serde_json::ser::PrettyFormatter::with_indent(b"  "));
+    let mut serializer = serde_json::Serializer::with_formatter(&mut out, formatter);
+    serde::Serialize::serialize(&index, &mut serializer).expect("JSON of strings and numbers always serializes");
+    out.push(b'\n');
+    out
+}
+
+/// serde_json's pretty output with Python's `ensure_ascii`: every non-ASCII character as
+/// `\uXXXX` (UTF-16 units, so surrogate pairs beyond the BMP).
+struct AsciiFormatter<'a>(serde_json::ser::PrettyFormatter<'a>);
+
+impl serde_json::ser::Formatter for AsciiFormatter<'_> {
+    fn write_string_fragment<W: ?Sized + std::io::Write>(&mut self, w: &mut W, fragment: &str) -> std::io::Result<()> {
+        for c in fragment.chars() {
+            if c.is_ascii() {
+                w.write_all(&[c as u8])?;
+            } else {
+                for unit in c.encode_utf16(&mut [0; 2]) {
+                    write!(w, "\\u{unit:04x}")?;
+                }
+            }
+        }
+        Ok(())
+    }
+    fn begin_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.0.begin_array(w)
+    }
+    fn end_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.0.end_array(w)
+    }
+    fn begin_array_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+        self.0.begin_array_value(w, first)
+    }
+    fn end_array_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.0.end_array_value(w)
+    }
+    fn begin_object<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.0.begin_object(w)
+    }
+    fn end_object<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.0.end_object(w)
+    }
+    fn begin_object_key<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+        self.0.begin_object_key(w, first)
+    }
+    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.0.begin_object_value(w)
+    }
+    fn end_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.0.end_object_value(w)
+    }
+}
+
+/// Where a save goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SaveTarget {
+    /// One file, as `save_file` writes it.
+    File(PathBuf),
+    /// A checkpoint directory, in shards of at most this many bytes (a larger tensor alone).
+    Directory { dir: PathBuf, max_shard_size: u64 },
+}
+
+/// Everything a save writes: its files, then the index (sharded saves only).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SavePlan {
+    pub files: Vec<FileLayout>,
+    pub index: Option<(PathBuf, Vec<u8>)>,
+}
+
+impl SavePlan {
+    pub fn bytes(&self) -> u64 {
+        self.files.iter().map(|f| f.len).sum()
+    }
+}
+
+/// Plans a save of `tensors` (in the caller's order) to `target`.
+pub fn plan_save(
+    tensors: Vec<SaveTensor>,
+    target: &SaveTarget,
+    metadata: Option<&BTreeMap<String, String>>,
+) -> Result<SavePlan> {
+    check_names(&tensors)?;
+    match target {
+        SaveTarget::File(path) => Ok(SavePlan { files: vec![plan_file(path, tensors, metadata)?], index: None }),
+        SaveTarget::Directory { dir, max_shard_size } => {
+            let sizes = tensors.iter().map(SaveTensor::nbytes).collect::<Result<Vec<u64>>>()?;
+            let shards = plan_shards(&sizes, *max_shard_size);
+            let names = shard_names(shards.len());
+            let mut files = Vec::with_capacity(shards.len());
+            for (range, name) in shards.into_iter().zip(&names) {
+                files.push(plan_file(&dir.join(name), tensors[range].to_vec(), metadata)?);
+            }
+            let index = (files.len() > 1).then(|| {
+                let weight_map = files
+                    .iter()
+                    .zip(&names)
+                    .flat_map(|(f, name)| f.names.iter().map(move |t| (t.clone(), name.clone())))
+                    .collect();
+                (dir.join(INDEX_FILE), index_json(sizes.iter().sum(), &weight_map))
+            });
+            Ok(SavePlan { files, index })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(name: &str, dtype: Dtype, shape: &[u64], source: usize) -> SaveTensor {
+        SaveTensor { name: name.into(), dtype, shape: shape.to_vec(), source }
+    }
+
+    #[test]
+    fn files_are_laid_out_as_safetensors_lays_them_out() {
+        let tensors = vec![
+            t("b", Dtype::BOOL, &[1], 0),
+            t("s", Dtype::F32, &[], 1),
+            t("e", Dtype::I64, &[0, 3], 2),
+            t("a", Dtype::F32, &[2], 3),
+        ];
+        let layout = plan_file(Path::new("x.safetensors"), tensors, None).unwrap();
+        assert_eq!(layout.names, ["e", "a", "s", "b"]);
+        let json = r#"{"e":{"dtype":"I64","shape":[0,3],"data_offsets":[0,0]},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"s":{"dtype":"F32","shape":[],"data_offsets":[8,12]},"b":{"dtype":"BOOL","shape":[1],"data_offsets":[12,13]}}"#;
+        let start = 8 + json.len().div_ceil(8) * 8;
+        assert_eq!(&layout.header[8..8 + json.len()], json.as_bytes());
+        assert_eq!(layout.header.len(), start);
+        let s = start as u64;
+        assert_eq!(
+            layout.tensors,
+            [
+                Placed { source: 2, offset: s, nbytes: 0 },
+                Placed { source: 3, offset: s, nbytes: 8 },
+                Placed { source: 1, offset: s + 8, nbytes: 4 },
+                Placed { source: 0, offset: s + 12, nbytes: 1 },
+            ]
+        );
+        assert_eq!(layout.len, s + 13);
+    }
+
+    #[test]
+    fn names_twice_or_reserved_are_refused() {
+        let twice = vec![t("w", Dtype::F32, &[1], 0), t("w", Dtype::F16, &[1], 1)];
+        let err = plan_file(Path::new("x"), twice, None).unwrap_err().to_string();
+        assert_eq!(err, "tensor 'w' cannot be saved: the name is given twice");
+        let reserved = vec![t("__metadata__", Dtype::F32, &[1], 0)];
+        let err = plan_file(Path::new("x"), reserved, None).unwrap_err().to_string();
+        assert!(err.contains("reserved"), "{err}");
+    }
+
+    #[test]
+    fn torch_dtypes_map_to_safetensors_and_float4_counts_values() {
+        let f4 = SaveTensor::from_torch("q", "float4_e2m1fn_x2", &[3, 2], 0).unwrap();
+        assert_eq!((f4.dtype, f4.shape.as_slice(), f4.nbytes().unwrap()), (Dtype::F4, &[3, 4][..], 6));
+        let err = SaveTensor::from_torch("c", "complex128", &[2], 0).unwrap_err().to_string();
+        assert_eq!(err, "tensor 'c' cannot be saved: safetensors has no dtype for torch.complex128");
+        assert!(SaveTensor::from_torch("z", "float4_e2m1fn_x2", &[], 0).is_err());
+        for d in Dtype::ALL {
+            if !matches!(d, Dtype::F6_E2M3 | Dtype::F6_E3M2) {
+                let torch =
+                    ["bool", "uint8", "int8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16"]
+                        .into_iter()
+                        .chain(["bfloat16", "float32", "float64", "complex64", "float8_e4m3fn", "float8_e5m2"])
+                        .chain(["float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2"])
+                        .filter(|n| dtype_of_torch(n) == Some(d))
+                        .count();
+                assert_eq!(torch, 1, "{d} has one torch dtype");
+            }
+        }
+    }
+
+    #[test]
+    fn shared_memory_is_refused_and_neighbours_are_not() {
+        let names: Vec<String> = ["a", "b", "c", "empty"].map(String::from).to_vec();
+        let span = |device, begin, end| Span { device, begin, end };
+        // Back to back, on two devices, and an empty tensor at a used address: all fine.
+        check_shared(&names, &[span(-1, 0, 8), span(-1, 8, 16), span(0, 0, 8), span(-1, 4, 4)]).unwrap();
+        let err = check_shared(&names, &[span(-1, 0, 8), span(-1, 100, 108), span(-1, 4, 12), span(-1, 0, 0)])
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("tensor 'c' cannot be saved: it shares memory with tensor 'a'"), "{err}");
+    }
+
+    #[test]
+    fn shards_are_as_many_as_transformers_makes_and_even() {
+        // transformers: [6,4] [6] [3,3,...]: greedy at 10 gives 4 shards here.
+        let sizes = [6, 4, 6, 3, 3, 3, 3];
+        assert_eq!(greedy(&sizes, 10), [0..2, 2..4, 4..7]);
+        assert_eq!(plan_shards(&sizes, 10), [0..2, 2..4, 4..7]);
+        // Four equal tensors under a generous limit: one shard; under 2.5 of them: two of two.
+        assert_eq!(plan_shards(&[5; 4], 100), [0..4]);
+        assert_eq!(plan_shards(&[5; 4], 12), [0..2, 2..4]);
+        // Greedy at 9 packs [3,3,3] [1,1,1]; balanced keeps 2 shards but evens them: 6 and 6.
+        let sizes = [3, 3, 3, 1, 1, 1];
+        assert_eq!(greedy(&sizes, 9), [0..3, 3..6]);
+        assert_eq!(plan_shards(&sizes, 9), [0..2, 2..6]);
+        // A tensor over the limit is a shard of its own; nothing is lost or reordered.
+        let sizes = [1, 50, 1, 1];
+        let shards = plan_shards(&sizes, 10);
+        assert!(shards.iter().any(|r| *r == (1..2)));
+        assert_eq!(shards.first().unwrap().start, 0);
+        assert_eq!(shards.last().unwrap().end, 4);
+        assert!(shards.windows(2).all(|w| w[0].end == w[1].start));
+        assert_eq!(plan_shards(&[], 10), [0..0]);
+    }
+
+    #[test]
+    fn shard_names_are_transformers_names() {
+        assert_eq!(shard_names(1), ["model.safetensors"]);
+        assert_eq!(shard_names(2), ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]);
+    }
+
+    #[test]
+    fn the_index_is_the_bytes_python_json_dumps_writes() {
+        let map = BTreeMap::from([
+            ("b.weight".to_string(), "model-00002-of-00002.safetensors".to_string()),
+            ("a\u{e9}\u{1f600}\"".to_string(), "model-00001-of-00002.safetensors".to_string()),
+        ]);
+        // json.dumps({"metadata": {"total_size": 1234}, "weight_map": map}, indent=2, sort_keys=True) + "\n"
+        let expected = "{\n  \"metadata\": {\n    \"total_size\": 1234\n  },\n  \"weight_map\": {\n    \"a\\u00e9\\ud83d\\ude00\\\"\": \"model-00001-of-00002.safetensors\",\n    \"b.weight\": \"model-00002-of-00002.safetensors\"\n  }\n}\n";
+        assert_eq!(String::from_utf8(index_json(1234, &map)).unwrap(), expected);
+    }
+
+    #[test]
+    fn a_directory_save_is_sharded_and_indexed() {
+        let tensors: Vec<SaveTensor> = (0..4).map(|i| t(&format!("w{i}"), Dtype::U8, &[100], i)).collect();
+        let dir = Path::new("/ckpt");
+        let plan =
+            plan_save(tensors.clone(), &SaveTarget::Directory { dir: dir.into(), max_shard_size: 250 }, None).unwrap();
+        let paths: Vec<_> = plan.files.iter().map(|f| f.path.clone()).collect();
+        assert_eq!(paths, [dir.join("model-00001-of-00002.safetensors"), dir.join("model-00002-of-00002.safetensors")]);
+        let (index_path, index) = plan.index.unwrap();
+        assert_eq!(index_path, dir.join(INDEX_FILE));
+        let index: serde_json::Value = serde_json::from_slice(&index).unwrap();
+        assert_eq!(index["metadata"]["total_size"], 400);
+        assert_eq!(index["weight_map"]["w3"], "model-00002-of-00002.safetensors");
+        let one = plan_save(tensors, &SaveTarget::Directory { dir: dir.into(), max_shard_size: 1000 }, None).unwrap();
+        assert_eq!((one.files.len(), one.index), (1, None));
+        assert_eq!(one.files[0].path, dir.join(SINGLE_FILE));
+    }
+}

@@ -1,0 +1,431 @@
+//! Saving: the files of a [`SavePlan`] written through [`Sink`]s, the mirror of a load.
+//!
+//! Each file is cut into blocks of [`SaveOptions::block`] bytes; a few writers (one buffer
+//! each, so host memory stays within the budget whatever the model's size) take the blocks
+//! in file order, gather each one's bytes into a page-aligned buffer (the header, then the
+//! tensors' bytes: copied from host memory, or copied off the device into a pinned staging
+//! buffer through [`Device`]), and write it at its offset. While one writer waits for the
+//! disk the others gather, so device-to-host copies overlap the writes. Then every file is
+//! synced, renamed into place, the directory synced, and the index written last
+//! ([`sink`](crate::sink) says why that order survives a crash).
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use memmap2::MmapMut;
+use rayon::prelude::*;
+
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::plan::save::{FileLayout, SavePlan, SaveTarget, INDEX_FILE, SINGLE_FILE};
+use crate::plan::{align_up, DEFAULT_BLOCK, IO_ALIGN};
+use crate::sink::{publish, write_small, FileSink, Sink};
+use crate::source::io_pool;
+
+/// Where a tensor's bytes are: host memory the caller keeps alive for the save, or a device
+/// address (read through the save's [`Device`]).
+#[derive(Debug, Clone, Copy)]
+pub enum TensorBytes<'a> {
+    Host(&'a [u8]),
+    Device(u64),
+}
+
+/// How a save writes.
+#[derive(Debug, Clone, Copy)]
+pub struct SaveOptions {
+    /// Bytes per write (a multiple of [`IO_ALIGN`]).
+    pub block: u64,
+    /// Writers, each holding one buffer of `block` bytes.
+    pub writers: usize,
+    /// `O_DIRECT` where the filesystem takes it.
+    pub direct: bool,
+}
+
+impl SaveOptions {
+    /// As many writers as I/O threads, with buffers that fit in `budget` bytes together.
+    pub fn within(budget: u64, threads: usize) -> SaveOptions {
+        let block = DEFAULT_BLOCK.min(align_up((budget / threads.max(1) as u64).max(IO_ALIGN), IO_ALIGN));
+        let writers = ((budget / block) as usize).clamp(1, threads.max(1));
+        SaveOptions { block, writers, direct: true }
+    }
+}
+
+/// Where a writer's buffer comes from and how device bytes get into it.
+pub trait Gather: Sync {
+    type Buffer: Send;
+    fn alloc(&self, len: usize) -> Result<Self::Buffer>;
+    /// The buffer's bytes; only between copies (after `wait`).
+    fn bytes<'b>(&self, buffer: &'b mut Self::Buffer) -> &'b mut [u8];
+    /// Starts copying `len` bytes at device address `src` into `buffer[at..]`.
+    fn fetch(&self, buffer: &mut Self::Buffer, at: usize, src: u64, len: usize) -> Result<()>;
+    /// Waits for the copies started into `buffer`.
+    fn wait(&self, buffer: &mut Self::Buffer) -> Result<()>;
+    /// Hands a buffer back once its writer is done.
+    fn release(&self, _buffer: Self::Buffer) {}
+}
+
+/// Buffers of page-aligned anonymous memory, for saves of host tensors.
+pub struct HostGather;
+
+impl Gather for HostGather {
+    type Buffer = MmapMut;
+
+    fn alloc(&self, len: usize) -> Result<MmapMut> {
+        MmapMut::map_anon(len).map_err(|e| Error::io(Path::new("save buffer"), "allocate", e))
+    }
+
+    fn bytes<'b>(&self, buffer: &'b mut MmapMut) -> &'b mut [u8] {
+        buffer
+    }
+
+    fn fetch(&self, _: &mut MmapMut, _: usize, src: u64, _: usize) -> Result<()> {
+        Err(Error::InvalidArgument(format!("a host save was given device memory (address {src:#x})")))
+    }
+
+    fn wait(&self, _: &mut MmapMut) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Pinned staging buffers of a device, filled by its copies.
+pub struct DeviceGather<'d, D: Device>(&'d D);
+
+impl<'d, D: Device> DeviceGather<'d, D> {
+    /// Orders the copies after the work already queued on the tensors (torch's stream).
+    pub fn new(device: &'d D) -> Result<DeviceGather<'d, D>> {
+        device.order_after_ready()?;
+        Ok(DeviceGather(device))
+    }
+}
+
+impl<D: Device> Gather for DeviceGather<'_, D> {
+    type Buffer = D::Staging;
+
+    fn alloc(&self, len: usize) -> Result<D::Staging> {
+        match self.0.pool().take() {
+            Some(staging) if self.0.staging_len(&staging) >= len => Ok(staging),
+            _ => self.0.alloc_staging(len),
+        }
+    }
+
+    fn bytes<'b>(&self, buffer: &'b mut D::Staging) -> &'b mut [u8] {
+        self.0.bytes(buffer)
+    }
+
+    fn fetch(&self, buffer: &mut D::Staging, at: usize, src: u64, len: usize) -> Result<()> {
+        self.0.copy_to_host_async(buffer, at, len, src)
+    }
+
+    fn wait(&self, buffer: &mut D::Staging) -> Result<()> {
+        self.0.wait(buffer)
+    }
+
+    fn release(&self, mut buffer: D::Staging) {
+        if self.0.wait(&mut buffer).is_ok() {
+            self.0.pool().put(buffer);
+        }
+    }
+}
+
+/// One write: `len` bytes of file `file` at `offset`.
+#[derive(Debug, Clone, Copy)]
+struct Block {
+    file: usize,
+    offset: u64,
+    len: u64,
+}
+
+/// Writes every file's bytes through its sink (not finished: see [`save`]).
+pub fn write_files<S: Sink, G: Gather>(
+    files: &[FileLayout],
+    sinks: &[S],
+    sources: &[TensorBytes],
+    gather: &G,
+    options: &SaveOptions,
+) -> Result<()> {
+    let block = options.block;
+    let blocks: Vec<Block> = files
+        .iter()
+        .enumerate()
+        .flat_map(|(file, f)| {
+            (0..f.len.div_ceil(block)).map(move |k| Block {
+                file,
+                offset: k * block,
+                len: block.min(f.len - k * block),
+            })
+        })
+        .collect();
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let first_error: Mutex<Option<Error>> = Mutex::new(None);
+    let writer = || -> Result<()> {
+        let mut buffer = gather.alloc(block as usize)?;
+        let result = loop {
+            let k = next.fetch_add(1, Ordering::Relaxed);
+            if k >= blocks.len() || failed.load(Ordering::Relaxed) {
+                break Ok(());
+            }
+            let b = blocks[k];
+            if let Err(e) = write_block(&files[b.file], &sinks[b.file], b, sources, gather, &mut buffer) {
+                let _ = gather.wait(&mut buffer); // no copy may still land in it
+                break Err(e);
+            }
+        };
+        gather.release(buffer);
+        result
+    };
+    io_pool().scope(|scope| {
+        for _ in 0..options.writers.clamp(1, blocks.len().max(1)) {
+            scope.spawn(|_| {
+                if let Err(e) = writer() {
+                    failed.store(true, Ordering::Relaxed);
+                    first_error.lock().unwrap().get_or_insert(e);
+                }
+            });
+        }
+    });
+    first_error.into_inner().unwrap().map_or(Ok(()), Err)
+}
+
+/// Gathers one block's bytes (header, host tensors, then the device's copies) and writes it.
+fn write_block<S: Sink, G: Gather>(
+    file: &FileLayout,
+    sink: &S,
+    b: Block,
+    sources: &[TensorBytes],
+    gather: &G,
+    buffer: &mut G::Buffer,
+) -> Result<()> {
+    let end = b.offset + b.len;
+    let padded = if sink.direct() { align_up(b.len, IO_ALIGN) } else { b.len } as usize;
+    let first = file.tensors.partition_point(|t| t.offset + t.nbytes <= b.offset);
+    let pieces = file.tensors[first..].iter().take_while(|t| t.offset < end).filter(|t| t.nbytes > 0).map(|t| {
+        let from = t.offset.max(b.offset);
+        let to = (t.offset + t.nbytes).min(end);
+        // (source, byte of the tensor, byte of the buffer, length)
+        (&sources[t.source], from - t.offset, (from - b.offset) as usize, (to - from) as usize)
+    });
+    {
+        let bytes = &mut gather.bytes(buffer)[..padded];
+        let header_len = file.header.len() as u64;
+        if b.offset < header_len {
+            let n = (header_len.min(end) - b.offset) as usize;
+            bytes[..n].copy_from_slice(&file.header[b.offset as usize..b.offset as usize + n]);
+        }
+        for (source, skip, at, len) in pieces.clone() {
+            if let TensorBytes::Host(data) = source {
+                bytes[at..at + len].copy_from_slice(&data[skip as usize..skip as usize + len]);
+            }
+        }
+        bytes[b.len as usize..].fill(0);
+    }
+    for (source, skip, at, len) in pieces {
+        if let TensorBytes::Device(address) = source {
+            gather.fetch(buffer, at, address + skip, len)?;
+        }
+    }
+    gather.wait(buffer)?;
+    sink.write_at(b.offset, &gather.bytes(buffer)[..padded])
+}
+
+/// Saves a plan: the files written under temporary names, synced, renamed into place, the
+/// directory synced, then the index. On any error nothing new is left under a final name.
+/// Returns the paths written (the index last).
+pub fn save<G: Gather>(
+    plan: &SavePlan,
+    target: &SaveTarget,
+    sources: &[TensorBytes],
+    gather: &G,
+    options: &SaveOptions,
+) -> Result<Vec<PathBuf>> {
+    if let SaveTarget::Directory { dir, .. } = target {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, "create_dir_all", e))?;
+    }
+    let mut sinks = plan
+        .files
+        .iter()
+        .map(|f| FileSink::create(&f.path, f.len, options.direct))
+        .collect::<Result<Vec<FileSink>>>()?;
+    write_files(&plan.files, &sinks, sources, gather, options)?;
+    io_pool().install(|| sinks.par_iter_mut().try_for_each(|s| s.finish()))?;
+    let mut written = publish(sinks)?;
+    if let Some((path, bytes)) = &plan.index {
+        written.push(write_small(path, bytes)?);
+    }
+    if let SaveTarget::Directory { dir, .. } = target {
+        remove_stale(dir, &written)?;
+    }
+    Ok(written)
+}
+
+/// Removes what an earlier save left in `dir` that the new checkpoint does not have: its
+/// shards, its index, or its single file (a loader would take a stale `model.safetensors`
+/// before the new index). Only names a save writes are touched.
+fn remove_stale(dir: &Path, written: &[PathBuf]) -> Result<()> {
+    let shard = regex::Regex::new(r"^model-\d{5}-of-\d{5}\.safetensors$").expect("a valid pattern");
+    let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, "read_dir", e))?;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let ours = shard.is_match(name) || name == SINGLE_FILE || name == INDEX_FILE;
+        let path = dir.join(name);
+        if ours && !written.contains(&path) && entry.file_type().is_ok_and(|t| t.is_file()) {
+            std::fs::remove_file(&path).map_err(|e| Error::io(&path, "remove", e))?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::HostMemoryDevice;
+    use crate::format::{self, Dtype};
+    use crate::plan::save::{plan_save, SaveTensor};
+    use crate::sink::MemorySink;
+
+    /// Tensors of every size around the block edges, with distinct bytes.
+    fn tensors(sizes: &[usize]) -> (Vec<SaveTensor>, Vec<Vec<u8>>) {
+        let data: Vec<Vec<u8>> =
+            sizes.iter().enumerate().map(|(i, &n)| (0..n).map(|j| (j * 7 + i * 13) as u8).collect()).collect();
+        let specs = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| SaveTensor { name: format!("t{i}"), dtype: Dtype::U8, shape: vec![n as u64], source: i })
+            .collect();
+        (specs, data)
+    }
+
+    /// What safetensors writes for the same tensors: header, then the bytes in file order.
+    fn expected(file: &FileLayout, data: &[Vec<u8>]) -> Vec<u8> {
+        let mut out = file.header.clone();
+        for t in &file.tensors {
+            out.extend_from_slice(&data[t.source]);
+        }
+        out
+    }
+
+    fn write_to_memory<G: Gather>(
+        plan: &SavePlan,
+        sources: &[TensorBytes],
+        gather: &G,
+        options: &SaveOptions,
+    ) -> Result<Vec<Vec<u8>>> {
+        let mut sinks: Vec<MemorySink> =
+            plan.files.iter().map(|f| MemorySink::new(&f.path, f.len, options.direct)).collect();
+        write_files(&plan.files, &sinks, sources, gather, options)?;
+        Ok(sinks
+            .iter_mut()
+            .map(|s| {
+                s.finish().unwrap();
+                s.bytes()
+            })
+            .collect())
+    }
+
+    #[test]
+    fn every_byte_lands_once_in_place_for_any_block_and_writer_count() {
+        let sizes = [0, 1, 4095, 4096, 4097, 10_000, 3, 65_536, 1];
+        let (specs, data) = tensors(&sizes);
+        let target = SaveTarget::Directory { dir: "/ckpt".into(), max_shard_size: 40_000 };
+        let plan = plan_save(specs, &target, None).unwrap();
+        assert!(plan.files.len() > 1);
+        let sources: Vec<TensorBytes> = data.iter().map(|d| TensorBytes::Host(d)).collect();
+        for block in [4096, 8192, 12_288, 1 << 20] {
+            for writers in [1, 3, 8] {
+                for direct in [false, true] {
+                    let options = SaveOptions { block, writers, direct };
+                    let files = write_to_memory(&plan, &sources, &HostGather, &options).unwrap();
+                    for (file, bytes) in plan.files.iter().zip(&files) {
+                        assert_eq!(bytes, &expected(file, &data), "block {block}, {writers} writers, direct {direct}");
+                        format::parse(bytes).unwrap();
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn device_tensors_come_through_the_staging_copies() {
+        let sizes = [5000, 1, 9000, 4096];
+        let (specs, data) = tensors(&sizes);
+        // Tensors 0 and 2 on the device (at scattered addresses), 1 and 3 in host memory.
+        let device = HostMemoryDevice::new(64 << 10);
+        device.write(100, &data[0]).unwrap();
+        device.write(20_000, &data[2]).unwrap();
+        let sources = [
+            TensorBytes::Device(100),
+            TensorBytes::Host(&data[1]),
+            TensorBytes::Device(20_000),
+            TensorBytes::Host(&data[3]),
+        ];
+        let plan = plan_save(specs, &SaveTarget::File("/x.safetensors".into()), None).unwrap();
+        for writers in [1, 4] {
+            let options = SaveOptions { block: 4096, writers, direct: true };
+            let gather = DeviceGather::new(&device).unwrap();
+            let files = write_to_memory(&plan, &sources, &gather, &options).unwrap();
+            assert_eq!(files[0], expected(&plan.files[0], &data));
+        }
+        assert_eq!(device.freed_in_flight(), 0);
+    }
+
+    #[test]
+    fn a_failed_write_or_copy_fails_the_save() {
+        let (specs, data) = tensors(&[100_000]);
+        let plan = plan_save(specs, &SaveTarget::File("/x.safetensors".into()), None).unwrap();
+        let options = SaveOptions { block: 4096, writers: 4, direct: false };
+        let sources = [TensorBytes::Host(&data[0])];
+        let sinks = [MemorySink::new(&plan.files[0].path, plan.files[0].len, false).failing_at_write(5)];
+        let err = write_files(&plan.files, &sinks, &sources, &HostGather, &options).unwrap_err().to_string();
+        assert!(err.starts_with("/x.safetensors: write failed: No space left on device"), "{err}");
+
+        let device = HostMemoryDevice::new(200_000).failing_at_copy(3);
+        let sources = [TensorBytes::Device(0)];
+        let gather = DeviceGather::new(&device).unwrap();
+        let sinks = [MemorySink::new(&plan.files[0].path, plan.files[0].len, true)];
+        let err = write_files(&plan.files, &sinks, &sources, &gather, &options).unwrap_err().to_string();
+        assert!(err.contains("copy 3 failed"), "{err}");
+        assert_eq!(device.freed_in_flight(), 0);
+    }
+
+    #[test]
+    fn options_keep_buffers_within_the_budget() {
+        let o = SaveOptions::within(1 << 30, 8);
+        assert_eq!((o.block, o.writers), (DEFAULT_BLOCK, 8));
+        let o = SaveOptions::within(20 << 20, 8);
+        assert!(o.block * o.writers as u64 <= 20 << 20 && o.block % IO_ALIGN == 0, "{o:?}");
+        assert_eq!(SaveOptions::within(1, 8).writers, 1);
+    }
+
+    #[test]
+    fn a_save_publishes_files_and_index_and_removes_stale_ones() {
+        let dir = std::env::temp_dir().join(format!("fst-save-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for stale in ["model-00001-of-00009.safetensors", "model.safetensors", "notes.txt"] {
+            std::fs::write(dir.join(stale), b"old").unwrap();
+        }
+        let (specs, data) = tensors(&[3000, 3000, 3000]);
+        let target = SaveTarget::Directory { dir: dir.clone(), max_shard_size: 6000 };
+        let plan = plan_save(specs, &target, None).unwrap();
+        let sources: Vec<TensorBytes> = data.iter().map(|d| TensorBytes::Host(d)).collect();
+        let written = save(&plan, &target, &sources, &HostGather, &SaveOptions::within(1 << 20, 2)).unwrap();
+        assert_eq!(written.last().unwrap(), &dir.join(INDEX_FILE));
+        let mut names: Vec<String> =
+            std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        names.sort();
+        assert_eq!(
+            names,
+            [
+                "model-00001-of-00002.safetensors",
+                "model-00002-of-00002.safetensors",
+                "model.safetensors.index.json",
+                "notes.txt"
+            ]
+        );
+        for file in &plan.files {
+            assert_eq!(std::fs::read(&file.path).unwrap(), expected(file, &data));
+        }
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
