@@ -551,6 +551,32 @@ Strings keys(std::string file) {
   return names;
 }
 
+// Saves `tensors` as bridge.rs `save` says (max_shard_size < 0: one file at `target`), each
+// made contiguous on its own device first; copies off a CUDA device come after torch's stream.
+Strings save(Strings names, std::vector<Tensor> tensors, std::string target, int64_t max_shard_size,
+             std::optional<Strings> metadata_keys, std::optional<Strings> metadata_values, std::string max_memory) {
+  if (names.size() != tensors.size()) tt::fail("fastsafetensors: save: names and tensors differ in number");
+  ::rust::Vec<rs::SaveTensorSpec> specs;
+  std::vector<Tensor> contiguous;  // alive until the bytes are written
+  std::optional<ReadyEvent> ready;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const Tensor& t = tensors[i];
+    contiguous.push_back(tt::is_contiguous(t) ? t : tt::contiguous(t));
+    const int64_t device = tt::is_cuda(t) ? tt::device_index(t) : -1;
+    if (device >= 0 && !ready) ready.emplace(static_cast<int32_t>(device));
+    rs::SaveTensorSpec spec{::rust::String(names[i]), ::rust::String(dtype_name(tt::scalar_type(t))), {}, {},
+                            reinterpret_cast<uint64_t>(tt::data_ptr(contiguous.back())),
+                            reinterpret_cast<uint64_t>(tt::data_ptr(t)), device};
+    for (const int64_t d : tt::sizes(t)) spec.shape.push_back(d);
+    for (const int64_t s : tt::strides(t)) spec.strides.push_back(s);
+    specs.push_back(std::move(spec));
+  }
+  return from_rust(call_rust([&] {
+    return rs::save(specs, target, max_shard_size, metadata_keys.has_value(), to_rust(metadata_keys.value_or(Strings{})),
+                    to_rust(metadata_values.value_or(Strings{})), max_memory, ready ? ready->handle() : 0);
+  }));
+}
+
 Metadata metadata(std::string file) {
   auto described = describe(std::move(file), -1);
   return {std::move(std::get<3>(described)), std::move(std::get<4>(described))};
@@ -595,6 +621,8 @@ FST_LIBRARY(m) {
   m.def("close_handle(int handle) -> bool");
   m.def("verify_tree(str dir, str verify) -> str[]");
   m.def("cancel_handle(int handle) -> bool");
+  m.def("save(str[] names, Tensor[] tensors, str target, int max_shard_size=-1, str[]? metadata_keys=None,"
+        " str[]? metadata_values=None, str max_memory=\"\") -> str[]");
 }
 
 FST_LIBRARY_IMPL(m) {
@@ -621,6 +649,7 @@ FST_LIBRARY_IMPL(m) {
   m.impl("check_range", FST_KERNEL(check_range));
   m.impl("close_handle", FST_KERNEL(close_handle));
   m.impl("cancel_handle", FST_KERNEL(cancel_handle));
+  m.impl("save", FST_KERNEL(save));
 }
 
 }  // namespace fastsafetensors

@@ -18,7 +18,7 @@
 //   narrow(t, start, len)                    rows [start, start + len) of dimension 0 (a view)
 //   clone(t), reinterpret(t, type, shape)    a copy; the bytes of t viewed as type and shape
 //   cast(t, type), to_cuda(t, index)         .to(type), .to("cuda:index")
-//   data_ptr, numel, is_cuda, device_index, scalar_type, is_contiguous
+//   data_ptr, numel, is_cuda, device_index, scalar_type, is_contiguous, contiguous, sizes, strides
 //   current_cuda_device()                    torch's current CUDA device
 // and the registration macros FST_LIBRARY(m), FST_LIBRARY_IMPL(m) and FST_KERNEL(function).
 #pragma once

@@ -48,6 +48,9 @@ inline bool is_cuda(const Tensor& t) { return t.is_cuda(); }
 inline int32_t device_index(const Tensor& t) { return t.device().index(); }
 inline ScalarType scalar_type(const Tensor& t) { return t.scalar_type(); }
 inline bool is_contiguous(const Tensor& t) { return t.is_contiguous(); }
+inline Tensor contiguous(const Tensor& t) { return t.contiguous(); }
+inline std::vector<int64_t> sizes(const Tensor& t) { return t.sizes().vec(); }
+inline std::vector<int64_t> strides(const Tensor& t) { return t.strides().vec(); }
 
 // Through the device-guard registry: the library links none of torch's CUDA libraries, so
 // that it still loads under a CPU-only torch.

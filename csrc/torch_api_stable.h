@@ -92,6 +92,9 @@ inline bool is_cuda(const Tensor& t) { return t.is_cuda(); }
 inline int32_t device_index(const Tensor& t) { return t.get_device_index(); }
 inline ScalarType scalar_type(const Tensor& t) { return t.scalar_type(); }
 inline bool is_contiguous(const Tensor& t) { return t.is_contiguous(); }
+inline Tensor contiguous(const Tensor& t) { return torch::stable::contiguous(t); }
+inline std::vector<int64_t> sizes(const Tensor& t) { return {t.sizes().begin(), t.sizes().end()}; }
+inline std::vector<int64_t> strides(const Tensor& t) { return {t.strides().begin(), t.strides().end()}; }
 
 inline int32_t current_cuda_device() { return torch::stable::accelerator::getCurrentDeviceIndex(); }
 

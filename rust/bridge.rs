@@ -106,6 +106,20 @@ mod ffi {
         tensors: Vec<HeaderTensor>,
     }
 
+    /// A tensor handed to a save, as torch describes it (torch's dtype name, its shape and
+    /// strides). Its bytes are at `address`, contiguous (a copy where the caller's tensor is
+    /// not), in host memory (`device` -1) or on CUDA device `device`; `origin` is the
+    /// caller's tensor's first element, which with the strides says what memory it covers.
+    struct SaveTensorSpec {
+        name: String,
+        dtype: String,
+        shape: Vec<i64>,
+        strides: Vec<i64>,
+        address: u64,
+        origin: u64,
+        device: i64,
+    }
+
     extern "Rust" {
         /// Validated files, not yet read.
         type PlannedFiles;
@@ -321,6 +335,27 @@ mod ffi {
         /// `len` bytes at `address` are readable until this returns.
         unsafe fn check_range(path: &str, offset: i64, address: u64, len: u64, handle: i64) -> Result<()>;
 
+        /// Saves `tensors` (names in the caller's order) to `target`: one file, as safetensors'
+        /// `save_file` writes it (`max_shard_size` < 0), or a checkpoint directory in shards
+        /// of at most `max_shard_size` bytes, named and indexed as transformers names them.
+        /// `metadata`: keys beside values, or `has_metadata` false for none. Host memory held
+        /// stays within `max_memory` ("" for the stream default). CUDA tensors are copied off
+        /// their device after event `ready` (0: none). Returns the paths written, index last.
+        ///
+        /// # Safety
+        /// Every tensor's `nbytes` at `address` stay readable and unchanged until this returns.
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn save(
+            tensors: &Vec<SaveTensorSpec>,
+            target: &str,
+            max_shard_size: i64,
+            has_metadata: bool,
+            metadata_keys: &Vec<String>,
+            metadata_values: &Vec<String>,
+            max_memory: &str,
+            ready: u64,
+        ) -> Result<Vec<String>>;
+
         /// Reads and validates one file's header without reading its data (with a handle: the
         /// header as it was opened).
         fn read_header(path: &str, handle: i64) -> Result<HeaderSpec>;
@@ -333,7 +368,8 @@ mod ffi {
 }
 
 use ffi::{
-    CheckpointSpec, DeviceSpec, FileCopy, HeaderSpec, HeaderTensor, MetadataEntry, Route, TensorSelection, TensorSpec,
+    CheckpointSpec, DeviceSpec, FileCopy, HeaderSpec, HeaderTensor, MetadataEntry, Route, SaveTensorSpec,
+    TensorSelection, TensorSpec,
 };
 
 pub struct PlannedFiles {
@@ -1130,4 +1166,90 @@ fn read_header(path: &str, handle: i64) -> Result<HeaderSpec> {
             tensors,
         })
     })
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe fn save(
+    tensors: &Vec<SaveTensorSpec>,
+    target: &str,
+    max_shard_size: i64,
+    has_metadata: bool,
+    metadata_keys: &Vec<String>,
+    metadata_values: &Vec<String>,
+    max_memory: &str,
+    ready: u64,
+) -> Result<Vec<String>> {
+    use crate::plan::save::{check_shared, plan_save, SaveTarget, SaveTensor, Span};
+    use crate::save::{DeviceGather, HostGather, SaveOptions, TensorBytes};
+    guard(|| {
+        let target = match u64::try_from(max_shard_size) {
+            Ok(max_shard_size) => SaveTarget::Directory { dir: target.into(), max_shard_size },
+            Err(_) => SaveTarget::File(target.into()),
+        };
+        let specs = tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| SaveTensor::from_torch(&t.name, &t.dtype, &t.shape, i))
+            .collect::<Result<Vec<_>>>()?;
+        let sizes = specs.iter().map(SaveTensor::nbytes).collect::<Result<Vec<u64>>>()?;
+        let names: Vec<String> = tensors.iter().map(|t| t.name.clone()).collect();
+        let spans: Vec<Span> = tensors.iter().zip(&sizes).map(|(t, &nbytes)| covered(t, nbytes)).collect();
+        check_shared(&names, &spans)?;
+        let metadata =
+            has_metadata.then(|| metadata_keys.iter().cloned().zip(metadata_values.iter().cloned()).collect());
+        let plan = plan_save(specs, &target, metadata.as_ref())?;
+        let sources: Vec<TensorBytes> = tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| match t.device {
+                // SAFETY: the caller keeps the bytes readable and unchanged until we return.
+                -1 => TensorBytes::Host(unsafe { host_bytes(t.address, sizes[i]) }),
+                _ => TensorBytes::Device(t.address),
+            })
+            .collect();
+        let budget = budget::stream_budget(Some(max_memory).filter(|m| !m.is_empty()))?;
+        let options = SaveOptions::within(budget, crate::source::io_threads()?);
+        let devices: std::collections::BTreeSet<i64> = tensors.iter().map(|t| t.device).filter(|&d| d >= 0).collect();
+        let written = match devices.iter().collect::<Vec<_>>()[..] {
+            [] => crate::save::save(&plan, &target, &sources, &HostGather, &options)?,
+            [&ordinal] => {
+                // SAFETY: the extension keeps the event alive until this call returns.
+                let ready = unsafe { ready_event(ready) };
+                let device = CudaDevice::new(Context::primary(ordinal as usize)?, ready)?;
+                crate::save::save(&plan, &target, &sources, &DeviceGather::new(&device)?, &options)?
+            }
+            _ => {
+                let list: Vec<String> = devices.iter().map(|d| format!("cuda:{d}")).collect();
+                return Err(Error::InvalidArgument(format!(
+                    "the tensors are on {}: save from one device at a time (or move them to one)",
+                    list.join(", ")
+                )));
+            }
+        };
+        Ok(written.into_iter().map(|p| p.to_string_lossy().into_owned()).collect())
+    })
+}
+
+/// The memory the caller's tensor covers: from its first element to the end of its last
+/// (torch's strides are never negative), `nbytes` being its size once contiguous.
+fn covered(t: &SaveTensorSpec, nbytes: u64) -> crate::plan::save::Span {
+    let numel: i64 = t.shape.iter().product();
+    let end = match numel {
+        0 => t.origin,
+        _ => {
+            let last: i64 = t.shape.iter().zip(&t.strides).map(|(&n, &stride)| (n - 1) * stride).sum();
+            t.origin + (last as u64 + 1) * (nbytes / numel as u64)
+        }
+    };
+    crate::plan::save::Span { device: t.device, begin: t.origin, end }
+}
+
+/// # Safety
+/// `len` bytes at `address` are readable and unchanged for the lifetime the caller picks.
+unsafe fn host_bytes<'a>(address: u64, len: u64) -> &'a [u8] {
+    if len == 0 {
+        return &[];
+    }
+    // SAFETY: the caller's contract.
+    unsafe { std::slice::from_raw_parts(address as *const u8, len as usize) }
 }

@@ -1,4 +1,5 @@
-"""fastsafetensors_rs: fast .safetensors loading into CPU or GPU memory (Rust core, torch ops).
+"""fastsafetensors_rs: fast .safetensors loading into CPU or GPU memory, and saving (Rust core,
+torch ops).
 
 Importing the package registers the torch ops `torch.ops.fastsafetensors.*`:
 `load(files, device="cpu", dtype=None, reader=None) -> Dict[str, Tensor]` and friends,
@@ -16,6 +17,7 @@ from ._ops import LIBRARY_PATH, ops
 from ._errors import SafetensorError
 from .api import load, load_bytes, load_file, release_staging_buffers, safe_open, stream
 from .distributed import node_group
+from .saving import save, save_file
 from .verify import Digests, Signature
 
 __version__ = "0.1.0"
@@ -41,7 +43,7 @@ _SUBMODULES = {"cli", "compat", "distributed", "integrations", "loader", "parall
                "vllm_plugin", "weights"}
 
 __all__ = ["Digests", "LIBRARY_PATH", "SafetensorError", "Signature", "enable_logging", "load", "load_bytes", "load_file", "node_group", "ops",
-           "release_staging_buffers", "safe_open", "stream", "__version__", *_LAZY]
+           "release_staging_buffers", "safe_open", "save", "save_file", "stream", "__version__", *_LAZY]
 
 # What importing the integrations did eagerly, kept eager: FASTSAFETENSORS_LOG is applied and
 # the fake kernel (torch.compile / FakeTensorMode) is registered with the ops.

@@ -194,7 +194,7 @@ pub fn shard_names(count: usize) -> Vec<String> {
 /// by as many writers, finishes when the largest one does.
 pub fn plan_shards(sizes: &[u64], max_shard_size: u64) -> Vec<Range<usize>> {
     if sizes.is_empty() {
-        return vec![0..0];
+        return Vec::from([0..0]);
     }
     let count = greedy(sizes, max_shard_size.max(1)).len();
     // The smallest cap that still gives at most `count` shards (greedy packing under a cap
