@@ -1,4 +1,4 @@
-"""Routes HuggingFace transformers' `.safetensors` reading through fastsafetensors.
+"""Routes HuggingFace transformers' `.safetensors` reading (and writing) through fastsafetensors.
 
     import fastsafetensors_rs
     from transformers import AutoModelForCausalLM
@@ -33,6 +33,11 @@ model's configuration still comes from the `from_pretrained` argument, while its
 are those `weights` stands for (`transformers.modeling_utils._get_resolved_checkpoint_files`
 is replaced too): a model whose weights sit in an object store loads from a folder holding
 only its `config.json`.
+
+`save_pretrained(..., safe_serialization=True)` writes each shard with
+`fastsafetensors_rs.save_file` (`transformers.modeling_utils.safe_save_file`): the same files
+as stock for CPU models, byte for byte, each one synced and renamed into place when complete
+(transformers still splits the shards and writes the index).
 
 Everything transformers does after reading is untouched: `dtype`/`torch_dtype` casts,
 `device_map` placement (cpu, cuda, "auto"), sharded checkpoints with
@@ -71,6 +76,8 @@ PATCH_POINTS: Tuple[Tuple[str, str, str], ...] = (
     ("transformers.trainer_utils", "safe_load_file", "load_file"),
     # Where from_pretrained finds the weight files: replaced to serve `weights=`.
     ("transformers.modeling_utils", "_get_resolved_checkpoint_files", "checkpoint_files"),
+    # What save_pretrained(safe_serialization=True) writes each shard with.
+    ("transformers.modeling_utils", "safe_save_file", "save_file"),
 )
 
 _lock = threading.RLock()
@@ -135,6 +142,18 @@ def _make_load_file(original: Callable[..., Any]) -> Callable[..., Any]:
     return load_file
 
 
+def _make_save_file(original: Callable[..., Any]) -> Callable[..., Any]:
+    def save_file(tensors: Dict[str, torch.Tensor], filename: PathLike, metadata: Optional[Dict[str, str]] = None):
+        from .saving import save_file as fst_save_file
+
+        return fst_save_file(tensors, filename, metadata=metadata)
+
+    save_file.__doc__ = "fastsafetensors' stand-in for safetensors.torch.save_file (the same bytes, written durably)."
+    save_file.__wrapped__ = original  # type: ignore[attr-defined]
+    save_file._fastsafetensors = True  # type: ignore[attr-defined]
+    return save_file
+
+
 def _weight_files(weights: str) -> Tuple[List[str], Optional[Dict[str, Any]]]:
     """What transformers' `_get_resolved_checkpoint_files` returns, for the checkpoint
     `weights` stands for: its files, and for several files the index transformers reads
@@ -160,7 +179,8 @@ def _make_checkpoint_files(original: Callable[..., Any]) -> Callable[..., Any]:
     return resolve
 
 
-_FACTORIES = {"safe_open": _make_safe_open, "load_file": _make_load_file, "checkpoint_files": _make_checkpoint_files}
+_FACTORIES = {"safe_open": _make_safe_open, "load_file": _make_load_file, "checkpoint_files": _make_checkpoint_files,
+              "save_file": _make_save_file}
 
 
 def _import_transformers() -> None:

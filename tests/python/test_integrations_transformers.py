@@ -381,6 +381,39 @@ def test_context_manager_restores_the_previous_state():
     assert tp._options == {"reader": "direct"}
 
 
+# ------------------------------------------------------------------------ save_pretrained
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
+@pytest.mark.parametrize("sharded", [False, True])
+def test_save_pretrained_under_the_patch_writes_the_stock_files(tmp_path, monkeypatch, arch, sharded):
+    """save_pretrained writes each shard through fastsafetensors_rs.save_file under the patch,
+    and the directory it leaves is the stock one, byte for byte (shards, index, config)."""
+    from fastsafetensors_rs import saving
+
+    cfg, cls, dtype = _config_and_class(arch)
+    torch.manual_seed(7)
+    model = cls(cfg).to(dtype)
+    kwargs = {"max_shard_size": "20KB"} if sharded else {}
+    model.save_pretrained(str(tmp_path / "stock"), **kwargs)
+    written = []
+    real = saving.save_file
+
+    def spy(tensors, filename, *args, **kw):
+        written.append(os.path.basename(os.fspath(filename)))
+        return real(tensors, filename, *args, **kw)
+
+    monkeypatch.setattr(saving, "save_file", spy)
+    with fastsafetensors_rs.patched_transformers():
+        model.save_pretrained(str(tmp_path / "ours"), **kwargs)
+    stock = sorted(p.name for p in (tmp_path / "stock").iterdir())
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == stock
+    assert sorted(written) == [n for n in stock if n.endswith(".safetensors")]
+    assert len(written) > 1 if sharded else len(written) == 1
+    for name in stock:
+        assert (tmp_path / "ours" / name).read_bytes() == (tmp_path / "stock" / name).read_bytes(), name
+
+
 # ------------------------------------------------------------------------ transformers 4.57
 
 
