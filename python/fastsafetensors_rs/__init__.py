@@ -27,6 +27,7 @@ _LAZY = {
     "DType": ".compat",
     "FilesBufferOnDevice": ".compat",
     "ParallelLoader": ".compat",
+    "ParallelSaver": ".compat",
     "SafeTensorsFileLoader": ".compat",
     "SingleGroup": ".compat",
     "fastsafe_open": ".compat",

@@ -35,6 +35,7 @@ import warnings
 from typing import Any, Dict, List, Optional
 
 from . import compat
+from .compat import saver as _saver_module
 from . import loader as _loader_module
 from . import parallel_loader as _parallel_loader_module
 
@@ -45,10 +46,11 @@ _MIGRATION = "see docs/migration.md of fastsafetensors-rs"
 
 # What `fastsafetensors` offers, and the submodules that stand in for IBM's.
 _TOP_LEVEL = ("SafeTensorsFileLoader", "fastsafe_open", "ParallelLoader", "SingleGroup",
-              "FilesBufferOnDevice", "DType")
+              "FilesBufferOnDevice", "DType", "ParallelSaver")
 _SHIMS: Dict[str, types.ModuleType] = {
     "loader": _loader_module,
     "parallel_loader": _parallel_loader_module,
+    "saver": _saver_module,
 }
 
 _lock = threading.Lock()

@@ -500,3 +500,52 @@ def test_the_wrapper_offers_what_the_original_does(tmp_path):
     assert packed.dtype == fst.DType.F4 and packed.get_shape() == [2, 6], "the header's shape, as the original"
     fb.close()
     loader.close()
+
+
+# ---------------------------------------------------------------- saver (IBM's save_sharded)
+
+
+def test_save_sharded_writes_ibm_shards_that_load_back(tmp_path):
+    from fastsafetensors_rs.compat import saver
+
+    tensors = {f"layer{i}.w": U.random_tensor(torch.bfloat16, (64 * (i + 1), 32), i) for i in range(5)}
+    tensors["scale"] = U.random_tensor(torch.float8_e4m3fn, (7,), 9)
+    entries = [saver.plain_entry(name, t) for name, t in tensors.items()]
+    assert entries[0].nbytes == tensors["layer0.w"].numel() * 2
+    paths = saver.save_sharded(entries, str(tmp_path / "ckpt" / "model"), num_shards=3,
+                               metadata={"format": "pt"}, shard0_metadata={"index": "{}"},
+                               shard_metadata=lambda shard: {"tensors": str(len(shard))})
+    assert [p.rsplit("/", 1)[-1] for p in paths] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    sets, members = set(), []
+    for i, path in enumerate(paths):
+        md = fst.safe_open(path, "pt").metadata()
+        assert (md["fst.shard.index"], md["fst.shard.count"], md["format"]) == (str(i), "3", "pt")
+        assert ("index" in md) == (i == 0)
+        sets.add(md["fst.shard.set"])
+        members.append(sorted(fst.safe_open(path, "pt").keys()))
+        assert md["tensors"] == str(len(members[-1]))
+    assert len(sets) == 1
+    # IBM's balance: largest first into the emptiest shard.
+    assert members == [["layer4.w", "scale"], ["layer0.w", "layer3.w"], ["layer1.w", "layer2.w"]]
+    loaded = fst.load(paths)
+    for name, t in tensors.items():
+        U.assert_same_tensor(loaded[name], t, name)
+    # ParallelSaver, the class IBM's package exports, writes the same way.
+    out = fst.ParallelSaver(num_shards=2).save(tensors, str(tmp_path / "p" / "model"))
+    assert sorted(fst.load(out)) == sorted(tensors)
+
+
+def test_save_sharded_refuses_what_it_cannot_do(tmp_path):
+    from fastsafetensors_rs.compat import saver
+
+    entries = [saver.plain_entry("w", torch.zeros(4))]
+    with pytest.raises(NotImplementedError, match="custom fill"):
+        saver.save_sharded(entries, str(tmp_path / "m"), num_shards=1, fill=lambda work: None)
+    with pytest.raises(ValueError, match="header_align=64"):
+        saver.save_sharded(entries, str(tmp_path / "m"), num_shards=1, header_align=64)
+    with pytest.raises(ValueError, match="duplicate"):
+        saver.save_sharded(entries * 2, str(tmp_path / "m"), num_shards=1)
+    with pytest.raises(ValueError, match="reserved"):
+        saver.save_sharded(entries, str(tmp_path / "m"), num_shards=1,
+                           shard_metadata=lambda shard: {"fst.shard.set": "x"})
+    assert list(tmp_path.iterdir()) == []

@@ -10,6 +10,8 @@ unchanged on this package.
 - `fastsafe_open(files)`: `safe_open` over several files.
 - `ParallelLoader(pg, files).iterate_weights()`: every (name, tensor) on every rank.
 - `SingleGroup`, `DType`.
+- `saver`: `save_sharded(entries, base, num_shards=16)`, `ParallelSaver`, `plain_entry`:
+  IBM's shards (names, balance, shard-set metadata), written durably by this package.
 
 Collectives run through torch.distributed on the target device (gloo on CPU, NCCL on GPU).
 See docs/migration.md for what is the same, what is better and what differs.
@@ -18,6 +20,7 @@ See docs/migration.md for what is the same, what is better and what differs.
 from .buffer import FilesBufferOnDevice, TensorNotFoundError
 from .loader import SafeTensorsFileLoader, fastsafe_open
 from .parallel import ParallelLoader
+from .saver import ParallelSaver
 from .tensor import TensorBase, TorchTensor
 from .types import DType, SingleGroup, resolve_device
 
@@ -25,6 +28,7 @@ __all__ = [
     "DType",
     "FilesBufferOnDevice",
     "ParallelLoader",
+    "ParallelSaver",
     "SafeTensorsFileLoader",
     "SingleGroup",
     "TensorBase",
