@@ -15,7 +15,6 @@
 #include <string>
 #include <string_view>
 #include <tuple>
-#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -47,53 +46,16 @@ auto call_rust(F&& f) -> decltype(f()) {
 }
 
 std::string_view view(const ::rust::String& s) { return {s.data(), s.size()}; }
+uint64_t address(const Tensor& t) { return reinterpret_cast<uint64_t>(tt::data_ptr(t)); }
 
-// The torch dtype of a safetensors dtype name (Rust has refused the names torch lacks).
+// torch's dtype of a safetensors dtype name (Rust has refused the names torch lacks), and
+// torch's name of a dtype ("" for none): Rust holds the one table between them.
 ScalarType scalar_type(std::string_view dtype) {
-  static const std::unordered_map<std::string_view, ScalarType> table = {
-      {"BOOL", ScalarType::Bool}, {"U8", ScalarType::Byte}, {"I8", ScalarType::Char},
-      {"I16", ScalarType::Short}, {"U16", ScalarType::UInt16}, {"I32", ScalarType::Int},
-      {"U32", ScalarType::UInt32}, {"I64", ScalarType::Long}, {"U64", ScalarType::UInt64},
-      {"F16", ScalarType::Half}, {"BF16", ScalarType::BFloat16}, {"F32", ScalarType::Float},
-      {"F64", ScalarType::Double}, {"C64", ScalarType::ComplexFloat}, {"F8_E4M3", ScalarType::Float8_e4m3fn},
-      {"F8_E5M2", ScalarType::Float8_e5m2}, {"F8_E4M3FNUZ", ScalarType::Float8_e4m3fnuz},
-      {"F8_E5M2FNUZ", ScalarType::Float8_e5m2fnuz}, {"F8_E8M0", ScalarType::Float8_e8m0fnu},
-      {"F4", ScalarType::Float4_e2m1fn_x2},
-  };
-  auto it = table.find(dtype);
-  if (it == table.end()) tt::fail("fastsafetensors: internal error: no torch dtype for " + std::string(dtype));
-  return it->second;
+  return static_cast<ScalarType>(call_rust([&] { return rs::torch_scalar_type({dtype.data(), dtype.size()}); }));
 }
 
-// torch's name for `dtype=` ("bfloat16"), or "" for none: Rust decides what it casts, and
-// names the dtype in its refusal ("dtype=torch.int8 is not supported").
 std::string dtype_name(std::optional<ScalarType> dtype) {
-  if (!dtype) return "";
-  switch (*dtype) {
-    case ScalarType::Half: return "float16";
-    case ScalarType::BFloat16: return "bfloat16";
-    case ScalarType::Float: return "float32";
-    case ScalarType::Double: return "float64";
-    case ScalarType::Bool: return "bool";
-    case ScalarType::Byte: return "uint8";
-    case ScalarType::Char: return "int8";
-    case ScalarType::Short: return "int16";
-    case ScalarType::Int: return "int32";
-    case ScalarType::Long: return "int64";
-    case ScalarType::UInt16: return "uint16";
-    case ScalarType::UInt32: return "uint32";
-    case ScalarType::UInt64: return "uint64";
-    case ScalarType::ComplexHalf: return "complex32";
-    case ScalarType::ComplexFloat: return "complex64";
-    case ScalarType::ComplexDouble: return "complex128";
-    case ScalarType::Float8_e4m3fn: return "float8_e4m3fn";
-    case ScalarType::Float8_e5m2: return "float8_e5m2";
-    case ScalarType::Float8_e4m3fnuz: return "float8_e4m3fnuz";
-    case ScalarType::Float8_e5m2fnuz: return "float8_e5m2fnuz";
-    case ScalarType::Float8_e8m0fnu: return "float8_e8m0fnu";
-    case ScalarType::Float4_e2m1fn_x2: return "float4_e2m1fn_x2";
-    default: return "dtype" + std::to_string(static_cast<int>(*dtype));
-  }
+  return dtype ? std::string(rs::torch_dtype_name(static_cast<int32_t>(*dtype))) : "";
 }
 
 // One host buffer of the Rust loader, shared by the tensors in it: each tensor's storage holds
@@ -224,7 +186,7 @@ LoadResult load_to_cuda(const rs::PlannedFiles& planned, const std::string& read
     ::rust::Vec<uint64_t> bases;
     for (const size_t i : files) {
       buffers.push_back(device_bytes(static_cast<int64_t>(planned.device_alloc_len(i)), device));
-      bases.push_back(reinterpret_cast<uint64_t>(tt::data_ptr(buffers.back())));
+      bases.push_back(address(buffers.back()));
     }
     std::optional<ReadyEvent> ready;
     if (!files.empty()) ready.emplace(device);
@@ -275,11 +237,7 @@ NamedTensors load(Strings files, std::string device, std::optional<ScalarType> d
 Tensor load_rows(std::string file, std::string name, int64_t start, int64_t stop, std::optional<std::string> reader,
                  int64_t handle) {
   auto loaded = call_rust([&] { return rs::load_rows(file, name, start, stop, reader.value_or(""), handle); });
-  auto tensors = std::get<1>(host_tensors(*loaded));
-  if (tensors.size() != 1) {
-    tt::fail("fastsafetensors: internal error: " + std::to_string(tensors.size()) + " tensors for one row range");
-  }
-  return tensors.front();
+  return std::get<1>(host_tensors(*loaded)).at(0);  // Rust plans exactly one
 }
 
 // Names of the tensors a filter selects, in read order, from the headers alone.
@@ -311,11 +269,10 @@ std::string read_range(std::string file, int64_t offset, Tensor out, std::option
   const bool cuda = tt::is_cuda(out);
   std::optional<ReadyEvent> ready;
   if (cuda) ready.emplace(tt::device_index(out));
-  const auto address = reinterpret_cast<uint64_t>(tt::data_ptr(out));
   const int64_t ordinal = cuda ? tt::device_index(out) : -1;
   const uint64_t event = ready ? ready->handle() : 0;
   return std::string(call_rust([&] {
-    return rs::read_range(file, offset, address, tt::numel(out), ordinal, reader.value_or(""), handle, event);
+    return rs::read_range(file, offset, address(out), tt::numel(out), ordinal, reader.value_or(""), handle, event);
   }));
 }
 
@@ -323,8 +280,7 @@ bool check_range(std::string file, int64_t offset, Tensor data, int64_t handle) 
   if (tt::scalar_type(data) != ScalarType::Byte || !tt::is_contiguous(data) || tt::is_cuda(data)) {
     tt::fail("invalid argument: data: contiguous uint8 in host memory");
   }
-  const auto address = reinterpret_cast<uint64_t>(tt::data_ptr(data));
-  call_rust([&] { rs::check_range(file, offset, address, tt::numel(data), handle); });
+  call_rust([&] { rs::check_range(file, offset, address(data), tt::numel(data), handle); });
   return true;
 }
 
@@ -382,8 +338,7 @@ class TensorStream {
     auto& stream = *device_;
     const auto len = static_cast<int64_t>(call_rust([&] { return stream->alloc_len(k); }));
     Submitted s{device_bytes(len, target_), std::make_unique<ReadyEvent>(target_)};
-    const auto base = reinterpret_cast<uint64_t>(tt::data_ptr(s.buffer));
-    call_rust([&] { return stream->submit(k, base, s.ready->handle()); });
+    call_rust([&] { return stream->submit(k, address(s.buffer), s.ready->handle()); });
     submitted_.emplace(k, std::move(s));
   }
 
@@ -442,10 +397,9 @@ class Streams {
     std::shared_ptr<TensorStream> gone;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      auto it = open_.find(handle);
-      if (it == open_.end()) return false;
-      gone = std::move(it->second);
-      open_.erase(it);
+      auto node = open_.extract(handle);
+      if (node.empty()) return false;
+      gone = std::move(node.mapped());
     }
     return true;
   }
@@ -507,14 +461,7 @@ describe(std::string file, int64_t handle) {
     shapes.emplace_back(t.shape.begin(), t.shape.end());
   }
   std::optional<Strings> keys, values;
-  if (h.has_metadata) {
-    keys.emplace();
-    values.emplace();
-    for (const auto& e : h.metadata) {
-      keys->emplace_back(e.key);
-      values->emplace_back(e.value);
-    }
-  }
+  if (h.has_metadata) keys = from_rust(h.metadata_keys), values = from_rust(h.metadata_values);
   return {std::move(names), std::move(dtypes), std::move(shapes), std::move(keys), std::move(values)};
 }
 
@@ -561,12 +508,10 @@ Strings save(Strings names, std::vector<Tensor> tensors, std::string target, int
   std::optional<ReadyEvent> ready;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const Tensor& t = tensors[i];
-    contiguous.push_back(tt::is_contiguous(t) ? t : tt::contiguous(t));
-    const int64_t device = tt::is_cuda(t) ? tt::device_index(t) : -1;
-    if (device >= 0 && !ready) ready.emplace(static_cast<int32_t>(device));
-    rs::SaveTensorSpec spec{::rust::String(names[i]), ::rust::String(dtype_name(tt::scalar_type(t))), {}, {},
-                            reinterpret_cast<uint64_t>(tt::data_ptr(contiguous.back())),
-                            reinterpret_cast<uint64_t>(tt::data_ptr(t)), device};
+    const int32_t device = tt::is_cuda(t) ? tt::device_index(t) : -1;
+    if (device >= 0 && !ready) ready.emplace(device);
+    contiguous.push_back(tt::contiguous(t));  // t itself where it is contiguous
+    rs::SaveTensorSpec spec{names[i], dtype_name(tt::scalar_type(t)), {}, {}, address(contiguous.back()), address(t), device};
     for (const int64_t d : tt::sizes(t)) spec.shape.push_back(d);
     for (const int64_t s : tt::strides(t)) spec.strides.push_back(s);
     specs.push_back(std::move(spec));

@@ -87,11 +87,6 @@ mod ffi {
         mode: String,
     }
 
-    struct MetadataEntry {
-        key: String,
-        value: String,
-    }
-
     /// One tensor of a header, as stored.
     struct HeaderTensor {
         name: String,
@@ -99,10 +94,11 @@ mod ffi {
         shape: Vec<i64>,
     }
 
-    /// A file's header: tensors in offset order.
+    /// A file's header: tensors in offset order, and the metadata's keys beside its values.
     struct HeaderSpec {
         has_metadata: bool,
-        metadata: Vec<MetadataEntry>,
+        metadata_keys: Vec<String>,
+        metadata_values: Vec<String>,
         tensors: Vec<HeaderTensor>,
     }
 
@@ -335,6 +331,11 @@ mod ffi {
         /// `len` bytes at `address` are readable until this returns.
         unsafe fn check_range(path: &str, offset: i64, address: u64, len: u64, handle: i64) -> Result<()>;
 
+        /// torch's name for the dtype of `c10::ScalarType` number `code` ("bfloat16").
+        fn torch_dtype_name(code: i32) -> String;
+        /// The `c10::ScalarType` number of safetensors dtype `dtype` ("BF16").
+        fn torch_scalar_type(dtype: &str) -> Result<i32>;
+
         /// Saves `tensors` (names in the caller's order) to `target`: one file, as safetensors'
         /// `save_file` writes it (`max_shard_size` < 0), or a checkpoint directory in shards
         /// of at most `max_shard_size` bytes, named and indexed as transformers names them.
@@ -368,8 +369,7 @@ mod ffi {
 }
 
 use ffi::{
-    CheckpointSpec, DeviceSpec, FileCopy, HeaderSpec, HeaderTensor, MetadataEntry, Route, SaveTensorSpec,
-    TensorSelection, TensorSpec,
+    CheckpointSpec, DeviceSpec, FileCopy, HeaderSpec, HeaderTensor, Route, SaveTensorSpec, TensorSelection, TensorSpec,
 };
 
 pub struct PlannedFiles {
@@ -1155,16 +1155,9 @@ fn read_header(path: &str, handle: i64) -> Result<HeaderSpec> {
                 })
             })
             .collect::<Result<_>>()?;
-        Ok(HeaderSpec {
-            has_metadata: header.metadata.is_some(),
-            metadata: header
-                .metadata
-                .unwrap_or_default()
-                .into_iter()
-                .map(|(key, value)| MetadataEntry { key, value })
-                .collect(),
-            tensors,
-        })
+        let has_metadata = header.metadata.is_some();
+        let (metadata_keys, metadata_values) = header.metadata.unwrap_or_default().into_iter().unzip();
+        Ok(HeaderSpec { has_metadata, metadata_keys, metadata_values, tensors })
     })
 }
 
@@ -1252,4 +1245,16 @@ unsafe fn host_bytes<'a>(address: u64, len: u64) -> &'a [u8] {
     }
     // SAFETY: the caller's contract.
     unsafe { std::slice::from_raw_parts(address as *const u8, len as usize) }
+}
+
+fn torch_dtype_name(code: i32) -> String {
+    target::torch_name(code)
+}
+
+fn torch_scalar_type(dtype: &str) -> Result<i32> {
+    guard(|| {
+        Dtype::from_name(dtype)
+            .and_then(target::torch_code)
+            .ok_or_else(|| Error::InvalidArgument(format!("internal error: no torch dtype for {dtype}")))
+    })
 }

@@ -84,6 +84,50 @@ pub fn castable(dtype: Dtype) -> bool {
     matches!(dtype, Dtype::F16 | Dtype::BF16 | Dtype::F32 | Dtype::F64)
 }
 
+/// torch's dtypes: `c10::ScalarType`'s number (fixed across releases: the stable ABI passes
+/// dtypes by it), torch's name, and the safetensors dtype that holds it, if one does. The one
+/// table between the two: the C++ layer asks here both ways.
+const TORCH_DTYPES: [(i32, &str, Option<Dtype>); 22] = [
+    (0, "uint8", Some(Dtype::U8)),
+    (1, "int8", Some(Dtype::I8)),
+    (2, "int16", Some(Dtype::I16)),
+    (3, "int32", Some(Dtype::I32)),
+    (4, "int64", Some(Dtype::I64)),
+    (5, "float16", Some(Dtype::F16)),
+    (6, "float32", Some(Dtype::F32)),
+    (7, "float64", Some(Dtype::F64)),
+    (8, "complex32", None),
+    (9, "complex64", Some(Dtype::C64)),
+    (10, "complex128", None),
+    (11, "bool", Some(Dtype::BOOL)),
+    (15, "bfloat16", Some(Dtype::BF16)),
+    (23, "float8_e5m2", Some(Dtype::F8_E5M2)),
+    (24, "float8_e4m3fn", Some(Dtype::F8_E4M3)),
+    (25, "float8_e5m2fnuz", Some(Dtype::F8_E5M2FNUZ)),
+    (26, "float8_e4m3fnuz", Some(Dtype::F8_E4M3FNUZ)),
+    (27, "uint16", Some(Dtype::U16)),
+    (28, "uint32", Some(Dtype::U32)),
+    (29, "uint64", Some(Dtype::U64)),
+    (44, "float8_e8m0fnu", Some(Dtype::F8_E8M0)),
+    (45, "float4_e2m1fn_x2", Some(Dtype::F4)),
+];
+
+/// torch's name for ScalarType number `code` ("bfloat16"), or `dtype<code>` for one without a
+/// name here (quantized and bit types: no safetensors dtype holds them).
+pub fn torch_name(code: i32) -> String {
+    TORCH_DTYPES.iter().find(|e| e.0 == code).map_or_else(|| format!("dtype{code}"), |e| e.1.to_owned())
+}
+
+/// The safetensors dtype of a torch dtype, by torch's name for it.
+pub fn dtype_of_torch(name: &str) -> Option<Dtype> {
+    TORCH_DTYPES.iter().find(|e| e.1 == name).and_then(|e| e.2)
+}
+
+/// The ScalarType number torch holds `dtype` as; None for FP6, which torch has no type for.
+pub fn torch_code(dtype: Dtype) -> Option<i32> {
+    TORCH_DTYPES.iter().find(|e| e.2 == Some(dtype)).map(|e| e.0)
+}
+
 /// The dtype `dtype=` names, by torch's name for it (`"bfloat16"`; `""` for no cast). A
 /// target outside the castable set is refused.
 pub fn cast_target(torch_name: &str) -> Result<Option<Dtype>> {
@@ -196,6 +240,20 @@ mod tests {
                 )
             );
         }
+    }
+
+    #[test]
+    fn every_safetensors_dtype_torch_holds_has_one_scalar_type() {
+        for d in Dtype::ALL {
+            let code = torch_code(d);
+            assert_eq!(code.is_none(), matches!(d, Dtype::F6_E2M3 | Dtype::F6_E3M2), "{d}");
+            if let Some(code) = code {
+                assert_eq!(dtype_of_torch(&torch_name(code)), Some(d));
+            }
+        }
+        assert_eq!(torch_name(15), "bfloat16");
+        assert_eq!(torch_name(12), "dtype12");
+        assert_eq!(dtype_of_torch("complex128"), None);
     }
 
     #[test]

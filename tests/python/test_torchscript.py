@@ -95,6 +95,22 @@ def _checkpoint(tmp_path):
     return path, tensors
 
 
+@torch.jit.script
+def scripted_save(tensors: Dict[str, torch.Tensor], path: str) -> List[str]:
+    names = list(tensors.keys())
+    return torch.ops.fastsafetensors.save(names, [tensors[n] for n in names], path, -1, ["format"], ["pt"])
+
+
+def test_scripted_save_writes_what_safetensors_writes(tmp_path):
+    from safetensors.torch import save_file as st_save_file
+
+    tensors = {"w": U.random_tensor(torch.bfloat16, (33, 7), 1), "b": U.random_tensor(torch.int8, (5,), 2)}
+    path = str(tmp_path / "scripted.safetensors")
+    assert scripted_save(tensors, path) == [path]
+    st_save_file(tensors, str(tmp_path / "stock.safetensors"), metadata={"format": "pt"})
+    assert (tmp_path / "scripted.safetensors").read_bytes() == (tmp_path / "stock.safetensors").read_bytes()
+
+
 def test_scripted_load(tmp_path):
     path, tensors = _checkpoint(tmp_path)
     U.assert_same_dict(scripted_load([str(path)]), st_load_file(str(path)))
