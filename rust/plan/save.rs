@@ -167,7 +167,7 @@ pub fn shard_names(count: usize) -> Vec<String> {
 /// by as many writers, finishes when the largest one does.
 pub fn plan_shards(sizes: &[u64], max_shard_size: u64) -> Vec<Range<usize>> {
     if sizes.is_empty() {
-        return Vec::from([0..0]);
+        return std::iter::once(0..0).collect();
     }
     let count = greedy(sizes, max_shard_size.max(1)).len();
     // The smallest cap that still gives at most `count` shards (greedy packing under a cap

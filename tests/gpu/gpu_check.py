@@ -812,6 +812,60 @@ def print_table() -> None:
     print(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['NOT RUN']} not run")
 
 
+def saving(tmp: str, cycles: float, size_gb: float) -> None:
+    """save_file / save from CUDA tensors: the bytes safetensors writes for the same tensors on
+    the CPU, copies ordered after the kernels still writing them, mixed devices, and the rate
+    (until durable) beside the same save from host tensors."""
+    path = os.path.join(tmp, "all.safetensors")
+    if not os.path.exists(path):
+        all_dtypes_file(path)
+    ref = st_load_file(path)
+    on_gpu = {k: v.cuda() for k, v in ref.items()}
+    on_gpu["transposed"] = torch.randn(64, 48, device="cuda").t()
+    cpu_copy = {k: v.cpu().contiguous() for k, v in on_gpu.items()}
+    ours, stock = os.path.join(tmp, "saved-gpu.safetensors"), os.path.join(tmp, "saved-cpu.safetensors")
+    fastsafetensors_rs.save_file(on_gpu, ours, metadata={"format": "pt"})
+    save_file(cpu_copy, stock, metadata={"format": "pt"})
+    row("saving", open(ours, "rb").read() == open(stock, "rb").read(),
+        "save_file of CUDA tensors (all dtypes, non-contiguous): the bytes safetensors writes from the CPU")
+    # A tensor a queued kernel is still writing: the save's copies must come after it.
+    late = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    torch.cuda._sleep(int(cycles * 0.5))
+    late.fill_(0x5A)
+    fastsafetensors_rs.save_file({"late": late}, ours)
+    got = st_load_file(ours)["late"]
+    row("saving", bool((got == 0x5A).all()), "save_file after a queued kernel: its bytes, not the ones before")
+    mixed = {"gpu": torch.arange(1000, device="cuda"), "cpu": torch.arange(7)}
+    fastsafetensors_rs.save_file(mixed, ours)
+    back = st_load_file(ours)
+    row("saving", torch.equal(back["gpu"], mixed["gpu"].cpu()) and torch.equal(back["cpu"], mixed["cpu"]),
+        "save_file of CUDA and CPU tensors together")
+    # Rate: a Llama-shaped checkpoint in 4 shards, from the device and from host memory.
+    per = int(size_gb * 1e9 / 32)
+    host = {f"layer{i}.w": torch.randint(-30000, 30000, (per // 2,), dtype=torch.int16).view(torch.bfloat16)
+            for i in range(32)}
+    device = {k: v.cuda() for k, v in host.items()}
+    nbytes = sum(t.nbytes for t in host.values())
+    rates = {}
+    for label, tensors in (("cuda", device), ("cpu", host)):
+        out = os.path.join(tmp, f"saved-{label}")
+        times = []
+        for _ in range(3):
+            shutil.rmtree(out, ignore_errors=True)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fastsafetensors_rs.save(tensors, out, max_shard_size=nbytes // 4 + 1)
+            times.append(time.perf_counter() - start)
+        rates[label] = nbytes / statistics.median(times) / 1e9
+    loaded = fastsafetensors_rs.load(os.path.join(tmp, "saved-cuda"))
+    row("saving", all(torch.equal(loaded[k], host[k]) for k in host),
+        "save of a checkpoint from CUDA tensors loads back bit-exact",
+        f"{nbytes / 1e9:.1f} GB in 4 shards, durable: from cuda {rates['cuda']:.2f} GB/s, "
+        f"from host memory {rates['cpu']:.2f} GB/s (median of 3)")
+    shutil.rmtree(os.path.join(tmp, "saved-cuda"), ignore_errors=True)
+    shutil.rmtree(os.path.join(tmp, "saved-cpu"), ignore_errors=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-gb", type=float, default=2.0, help="checkpoint size for the throughput table")
@@ -867,6 +921,8 @@ def main() -> int:
         staging(tmp)
         print("GDS")
         gds(tmp, pattern)
+        print("saving")
+        guarded("saving", "saving")(saving)(tmp, cycles, args.size_gb)
         throughput(tmp, args.size_gb, args.runs)
     print_table()
     print(f"gpu-check took {time.perf_counter() - started:.0f} s")
