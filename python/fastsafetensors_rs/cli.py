@@ -3,6 +3,7 @@
     python -m fastsafetensors_rs inspect model/                 # dtypes, shapes, sizes, metadata
     python -m fastsafetensors_rs verify model/*.safetensors     # full check; exit 1 on a bad file
     python -m fastsafetensors_rs bench model/ --repeat 3        # this loader vs safetensors
+    python -m fastsafetensors_rs bench model/ --save /tmp/out    # ... and saving it again
     python -m fastsafetensors_rs inspect --json model/ | jq .totals
 
 A PATH is a file, a directory (the shards its `*.safetensors.index.json` lists if there is one,
@@ -21,6 +22,7 @@ import gc
 import json
 import logging
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -431,6 +433,8 @@ def cmd_bench(args: argparse.Namespace) -> Tuple[Dict[str, Any], bool]:
             for r in results:
                 if r["mode"] == mode and r["loader"] == "fastsafetensors_rs":
                     r["speedup_vs_safetensors"] = statistics.median(theirs) / statistics.median(ours)
+    if args.save:
+        results += _bench_saves(args, paths, show)
     result = {"command": "bench", "valid": True, "files": paths, "bytes": total, "device": str(args.device),
               "reader": args.reader or os.environ.get("FASTSAFETENSORS_READER") or "auto",
               "repeat": args.repeat, "results": results, "notes": sorted(set(notes))}
@@ -445,6 +449,64 @@ def cmd_bench(args: argparse.Namespace) -> Tuple[Dict[str, Any], bool]:
         for n in result["notes"]:
             print(f"note: {n}")
     return result, True
+
+
+def _fsync(paths: List[str]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _bench_saves(args: argparse.Namespace, paths: List[str], show: bool) -> List[Dict[str, Any]]:
+    """--save DIR: the checkpoint loaded once (to --device), then saved into DIR as many times
+    as --repeat, in as many shards as it has files: `fastsafetensors_rs.save`, and safetensors'
+    `save_file` of the same shards followed by an fsync of each file and of DIR (a save counts
+    once it is durable, as ours is when it returns). Each save replaces the previous one."""
+    tensors = api.load(paths, device=_device(args.device), reader=args.reader)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    shard_bytes = total // len(paths) + 1
+    shards: List[Dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():  # the same shards as ours, for safetensors
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += n
+    out = os.path.abspath(args.save)
+
+    def ours() -> None:
+        from .saving import save
+        save(tensors, out, max_shard_size=shard_bytes)
+
+    def stock() -> None:
+        from safetensors.torch import save_file
+        written = []
+        for i, shard in enumerate(shards):
+            written.append(os.path.join(out, f"st-{i:05d}.safetensors"))
+            save_file({k: v.contiguous() for k, v in shard.items()}, written[-1])
+        _fsync(written + [out])
+
+    savers = {"fastsafetensors_rs": ours}
+    if not args.no_safetensors:
+        savers["safetensors"] = stock
+    seconds: Dict[str, List[float]] = {}
+    for name in progress([n for _ in range(args.repeat) for n in savers], show, desc="saving", unit="run"):
+        shutil.rmtree(out, ignore_errors=True)
+        os.makedirs(out)
+        start = time.perf_counter()
+        savers[name]()
+        seconds.setdefault(name, []).append(time.perf_counter() - start)
+    shutil.rmtree(out, ignore_errors=True)
+    results = [{"mode": "save", "loader": name, "seconds": times, "median_s": statistics.median(times),
+                "gb_per_s": total / statistics.median(times) / 1e9} for name, times in seconds.items()]
+    if "safetensors" in seconds:
+        results[0]["speedup_vs_safetensors"] = statistics.median(seconds["safetensors"]) / results[0]["median_s"]
+    return results
 
 
 # ---------------------------------------------------------------------------- main
@@ -517,6 +579,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", type=_modes, default="cold,warm",
                    help="comma-separated: cold (page cache evicted), warm")
     p.add_argument("--no-safetensors", action="store_true", help="time fastsafetensors_rs only")
+    p.add_argument("--save", metavar="DIR",
+                   help="also time saving the checkpoint into DIR (replaced), in as many shards as it has files, "
+                        "until durable: fastsafetensors_rs.save vs safetensors' save_file + fsync")
     p.set_defaults(run=cmd_bench)
     return parser
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import fastsafetensors_rs
 import fastsafetensors_rs.progress as fst_progress
 import fst_testutils as U
 from fastsafetensors_rs import cli
@@ -240,6 +241,31 @@ def test_bench_json(capsys, model_dir):
                           "--reader", "direct")
     assert rc == 0 and [(r["mode"], r["loader"]) for r in doc["results"]] == [("warm", "fastsafetensors_rs")]
     assert doc["reader"] == "direct"
+
+
+def test_bench_save_times_saving_the_checkpoint_again(capsys, model_dir, tmp_path, monkeypatch):
+    d, _ = model_dir
+    out = tmp_path / "saved"
+    kept = {}
+    real_save = __import__("fastsafetensors_rs.saving", fromlist=["save"]).save
+
+    def keep(tensors, directory, **kwargs):  # what the last save wrote, before the bench removes it
+        paths = real_save(tensors, directory, **kwargs)
+        kept.update(fastsafetensors_rs.load(directory))
+        return paths
+
+    monkeypatch.setattr("fastsafetensors_rs.saving.save", keep)
+    rc, doc, _ = run_json(capsys, "bench", d, "--repeat", "2", "--modes", "warm", "--save", str(out), "--no-progress")
+    assert rc == 0
+    got = {(r["mode"], r["loader"]): r for r in doc["results"]}
+    assert {("save", "fastsafetensors_rs"), ("save", "safetensors")} <= set(got)
+    assert len(got[("save", "safetensors")]["seconds"]) == 2 and got[("save", "fastsafetensors_rs")]["gb_per_s"] > 0
+    assert got[("save", "fastsafetensors_rs")]["speedup_vs_safetensors"] > 0
+    reference = fastsafetensors_rs.load(str(d))
+    assert sorted(kept) == sorted(reference)
+    for name, t in reference.items():
+        U.assert_same_tensor(kept[name], t, name)
+    assert not out.exists()
 
 
 def test_bench_human_and_errors(capsys, model_dir, tmp_path):
