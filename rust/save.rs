@@ -20,7 +20,7 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::plan::save::{FileLayout, SavePlan, SaveTarget, INDEX_FILE, SINGLE_FILE};
 use crate::plan::{align_up, DEFAULT_BLOCK, IO_ALIGN};
-use crate::sink::{publish, write_small, FileSink, Sink};
+use crate::sink::{publish, FileSink, Sink};
 use crate::source::io_pool;
 
 /// Where a tensor's bytes are: host memory the caller keeps alive for the save, or a device
@@ -229,8 +229,9 @@ fn write_block<S: Sink, G: Gather>(
     sink.write_at(b.offset, &gather.bytes(buffer)[..padded])
 }
 
-/// Saves a plan: the files written under temporary names, synced, renamed into place, the
-/// directory synced, then the index. On any error nothing new is left under a final name.
+/// Saves a plan: the files (and the index) written under temporary names and synced, then
+/// renamed into place, the index last, and the directory synced. An error before the renames
+/// leaves nothing behind.
 /// Returns the paths written (the index last).
 pub fn save<G: Gather>(
     plan: &SavePlan,
@@ -247,11 +248,24 @@ pub fn save<G: Gather>(
         .iter()
         .map(|f| FileSink::create(&f.path, f.len, options.direct))
         .collect::<Result<Vec<FileSink>>>()?;
+    // The index is written with the files, so that a disk too full for it fails the save
+    // before anything is published; it is published last.
+    let mut index = match &plan.index {
+        Some((path, bytes)) => {
+            let sink = FileSink::create(path, bytes.len() as u64, false)?;
+            sink.write_at(0, bytes)?;
+            Some(sink)
+        }
+        None => None,
+    };
     write_files(&plan.files, &sinks, sources, gather, options)?;
     io_pool().install(|| sinks.par_iter_mut().try_for_each(|s| s.finish()))?;
+    if let Some(index) = &mut index {
+        index.finish()?;
+    }
     let mut written = publish(sinks)?;
-    if let Some((path, bytes)) = &plan.index {
-        written.push(write_small(path, bytes)?);
+    if let Some(index) = index {
+        written.extend(publish(vec![index])?);
     }
     if let SaveTarget::Directory { dir, .. } = target {
         remove_stale(dir, &written)?;

@@ -144,15 +144,6 @@ pub fn publish(sinks: Vec<FileSink>) -> Result<Vec<PathBuf>> {
     Ok(paths)
 }
 
-/// Writes a small file (an index) durably and atomically: temporary, synced, renamed, the
-/// directory synced.
-pub fn write_small(path: &Path, bytes: &[u8]) -> Result<PathBuf> {
-    let mut sink = FileSink::create(path, bytes.len() as u64, false)?;
-    sink.write_at(0, bytes)?;
-    sink.finish()?;
-    Ok(publish(vec![sink])?.remove(0))
-}
-
 fn parent(path: &Path) -> PathBuf {
     match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_owned(),
