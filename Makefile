@@ -152,11 +152,15 @@ $(CPP_EXAMPLE): examples/cpp/load.cpp | $(INSTALLED)
 
 cpp-example: $(CPP_EXAMPLE)
 
-# Local files (bench/bench.py), then the same kind of checkpoint from a local S3 server
-# (bench/remote.py: Garage on 127.0.0.1, beside curl's ranged GETs, boto3 and Run:ai).
+# Local files (bench/bench.py), verified loads (bench/verify.py), durable sharded saves
+# (bench/save.py: beside safetensors, IBM's fastsafetensors 0.5, torch.save and dd; IBM's
+# package goes into build/bench-peers/ on first use, never into .venv), then the same kind of
+# checkpoint from a local S3 server (bench/remote.py: Garage on 127.0.0.1, beside curl's
+# ranged GETs, boto3 and Run:ai).
 bench: build garage
 	$(PY) bench/bench.py $(BENCH_ARGS)
 	$(PY) bench/verify.py $(BENCH_VERIFY_ARGS)
+	$(PY) bench/save.py $(BENCH_SAVE_ARGS)
 	$(MAKE) --no-print-directory bench-remote
 
 # The same server and clients on loopback, then behind 20 ms of round-trip time (netem in a

@@ -237,7 +237,7 @@ mod tests {
         assert!(!path.exists());
         let temp = sink.temp_path().to_owned();
         assert!(temp.file_name().unwrap().to_str().unwrap().starts_with(".model.safetensors."));
-        assert_eq!(publish(vec![sink]).unwrap(), [path.clone()]);
+        assert_eq!(publish(vec![sink]).unwrap(), std::slice::from_ref(&path));
         assert_eq!(std::fs::read(&path).unwrap(), b"hello");
         assert!(!temp.exists());
         std::fs::remove_dir_all(dir).unwrap();
