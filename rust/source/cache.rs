@@ -53,7 +53,7 @@ pub fn dir_from_env() -> Result<Option<PathBuf>> {
 /// `dir`, created if missing, as a cache directory; an error naming it where it cannot be.
 pub fn usable_dir(dir: &Path) -> Result<PathBuf> {
     std::fs::create_dir_all(dir)
-        .and_then(|()| if dir.is_dir() { Ok(()) } else { Err(std::io::ErrorKind::NotADirectory.into()) })
+        .and_then(|()| if dir.is_dir() { Ok(()) } else { Err(std::io::Error::from_raw_os_error(libc::ENOTDIR)) })
         .map_err(|e| Error::InvalidArgument(format!("cache_dir={}: not a usable directory ({e})", dir.display())))?;
     Ok(dir.to_owned())
 }
