@@ -127,6 +127,36 @@ def test_opt_in_after_ibm_was_imported(bert):
     assert out.split()[0] == "BOTH"
 
 
+def test_ibms_loader_reads_the_shards_the_compatible_saver_writes(bert, tmp_path):
+    """`fastsafetensors_rs.compat.saver.save_sharded` writes IBM's shard set: IBM's own
+    `validate_shard_set` accepts it, IBM's `fastsafe_open` reads it bit-exact, and IBM's
+    `save_sharded` puts the same tensors in each shard."""
+    out = run("""
+        import sys, harness
+        from fastsafetensors import fastsafe_open, saver as ibm
+        from fastsafetensors.common import SafeTensorsMetadata
+        from fastsafetensors.frameworks import get_framework_op
+        from fastsafetensors_rs.compat import saver as ours
+
+        ref = harness.reference(harness.checkpoint_files(harness.Path(sys.argv[1])))
+        paths = ours.save_sharded([ours.plain_entry(k, v) for k, v in ref.items()], sys.argv[2] + "/ours/model",
+                                  num_shards=3, metadata={"format": "pt"})
+        ibm.validate_shard_set([SafeTensorsMetadata.from_file(p, get_framework_op("pytorch")) for p in paths])
+        with fastsafe_open(paths, device="cpu", nogds=True) as f:
+            harness.assert_bit_exact({k: f.get_tensor(k).clone() for k in f.keys()}, ref)
+        theirs = ibm.save_sharded([ibm.plain_entry(k, v) for k, v in ref.items()], sys.argv[2] + "/ibm/model",
+                                  num_shards=3, fsync=True, metadata={"format": "pt"})
+        for a, b in zip(paths, theirs):
+            names = []
+            for path in (a, b):
+                with fastsafe_open([path], device="cpu", nogds=True) as f:
+                    names.append(sorted(f.keys()))
+            assert names[0] == names[1], names
+        print("SHARDS", len(paths))
+    """, str(bert), str(tmp_path))
+    assert out.split() == ["SHARDS", "3"]
+
+
 def test_ibms_files_are_untouched():
     """Every file of IBM's package still matches the hashes pip recorded at install."""
     assert harness.ibm_files_changed() == []

@@ -100,6 +100,23 @@ def test_verify_in_the_extra_config_checks_every_file(checkpoint, tmp_path):
         collect(loader.get_all_weights(config.model_config, torch.nn.Module()))
 
 
+def test_a_checkpoint_saved_by_save_loads_through_vllms_own_loader(llama, tmp_path):
+    """`fastsafetensors_rs.save` of a model's tensors, sharded and indexed as transformers
+    names them, read by vLLM's own safetensors weight iterator: the same tensors."""
+    import fastsafetensors_rs
+
+    expected = reference(checkpoint_files(llama))
+    saved = tmp_path / "saved"
+    total = sum(t.numel() * t.element_size() for t in expected.values())
+    paths = fastsafetensors_rs.save(expected, saved, max_shard_size=total // 3 + 1)
+    assert Path(paths[-1]).name == "model.safetensors.index.json" and len(paths) >= 4
+    for other in llama.iterdir():
+        if not other.name.endswith((".safetensors", ".json")) or other.name == "config.json":
+            shutil.copy(other, saved / other.name)
+    got = collect(loader_for("safetensors")._get_weights_iterator(source(saved)))
+    assert_bit_exact(got, expected)
+
+
 @pytest.mark.skipif(not harness.can_build_models_on_cpu(),
                     reason="vLLM before 0.33 does not build models on the CPU from its CUDA wheel")
 def test_load_model_equals_vllms_safetensors_load(checkpoint):
