@@ -160,29 +160,41 @@ pub fn shard_names(count: usize) -> Vec<String> {
     (1..=count).map(|i| format!("model-{i:05}-of-{count:05}.safetensors")).collect()
 }
 
-/// Splits tensors (their sizes, in the caller's order) into consecutive shards. As many shards
-/// as transformers makes for `max_shard_size` (a new shard when the next tensor would tip the
-/// current one over; a tensor larger than the limit alone), then the boundaries moved so that
-/// the shards are as even in bytes as the order allows: the same count, written in parallel
-/// by as many writers, finishes when the largest one does.
-pub fn plan_shards(sizes: &[u64], max_shard_size: u64) -> Vec<Range<usize>> {
-    if sizes.is_empty() {
-        return std::iter::once(0..0).collect();
-    }
-    let count = greedy(sizes, max_shard_size.max(1)).len();
-    // The smallest cap that still gives at most `count` shards (greedy packing under a cap
-    // gives the fewest shards for that cap): binary search between the largest tensor and the
-    // limit the caller gave.
-    let (mut low, mut high) = (*sizes.iter().max().unwrap(), sizes.iter().sum::<u64>());
-    while low < high {
-        let mid = low + (high - low) / 2;
-        if greedy(sizes, mid).len() <= count {
-            high = mid;
-        } else {
-            low = mid + 1;
+/// Splits tensors (their sizes, in the caller's order) into shards: the indices of each
+/// shard's tensors. As transformers splits them, a tensor larger than `max_shard_size` is a
+/// shard of its own, and the others fill shards in order, a new one when the next tensor would
+/// pass the limit. That gives the number of shards; then the boundaries between the others move
+/// so that their shards are as even in bytes as the order allows (every one still within the
+/// limit): the same count, written in parallel by as many writers, finishes when the largest
+/// one does. Shards are ordered by their first tensor.
+pub fn plan_shards(sizes: &[u64], max_shard_size: u64) -> Vec<Vec<usize>> {
+    let limit = max_shard_size.max(1);
+    let (alone, packed): (Vec<usize>, Vec<usize>) = (0..sizes.len()).partition(|&i| sizes[i] > limit);
+    let packed_sizes: Vec<u64> = packed.iter().map(|&i| sizes[i]).collect();
+    let mut shards: Vec<Vec<usize>> = match packed.is_empty() {
+        true => Vec::new(),
+        false => {
+            let count = greedy(&packed_sizes, limit).len();
+            // The smallest cap that still gives `count` shards (greedy packing under a cap gives
+            // the fewest shards for that cap): binary search up to the limit, which gives them.
+            let (mut low, mut high) = (*packed_sizes.iter().max().unwrap(), limit);
+            while low < high {
+                let mid = low + (high - low) / 2;
+                if greedy(&packed_sizes, mid).len() <= count {
+                    high = mid;
+                } else {
+                    low = mid + 1;
+                }
+            }
+            greedy(&packed_sizes, low).into_iter().map(|r| packed[r].to_vec()).collect()
         }
+    };
+    shards.extend(alone.into_iter().map(|i| vec![i]));
+    if shards.is_empty() {
+        shards.push(Vec::new());
     }
-    greedy(sizes, low)
+    shards.sort_by_key(|s| s.first().copied());
+    shards
 }
 
 /// transformers' packing: fill a shard until the next tensor would pass `cap`.
@@ -295,8 +307,9 @@ pub fn plan_save(
             let shards = plan_shards(&sizes, *max_shard_size);
             let names = shard_names(shards.len());
             let mut files = Vec::with_capacity(shards.len());
-            for (range, name) in shards.into_iter().zip(&names) {
-                files.push(plan_file(&dir.join(name), tensors[range].to_vec(), metadata)?);
+            for (members, name) in shards.iter().zip(&names) {
+                let shard = members.iter().map(|&i| tensors[i].clone()).collect();
+                files.push(plan_file(&dir.join(name), shard, metadata)?);
             }
             let index = (files.len() > 1).then(|| {
                 let weight_map = files
@@ -377,27 +390,40 @@ mod tests {
         assert!(err.starts_with("tensor 'c' cannot be saved: it shares memory with tensor 'a'"), "{err}");
     }
 
+    fn ranges(shards: &[Vec<usize>]) -> Vec<Range<usize>> {
+        shards.iter().map(|s| s[0]..s[s.len() - 1] + 1).collect()
+    }
+
     #[test]
     fn shards_are_as_many_as_transformers_makes_and_even() {
-        // transformers: [6,4] [6] [3,3,...]: greedy at 10 gives 4 shards here.
+        // transformers: [6,4] [6,3] [3,3,3] at 10.
         let sizes = [6, 4, 6, 3, 3, 3, 3];
         assert_eq!(greedy(&sizes, 10), [0..2, 2..4, 4..7]);
-        assert_eq!(plan_shards(&sizes, 10), [0..2, 2..4, 4..7]);
+        assert_eq!(ranges(&plan_shards(&sizes, 10)), [0..2, 2..4, 4..7]);
         // Four equal tensors under a generous limit: one shard; under 2.5 of them: two of two.
-        assert_eq!(plan_shards(&[5; 4], 100).len(), 1);
-        assert_eq!(plan_shards(&[5; 4], 12), [0..2, 2..4]);
+        assert_eq!(plan_shards(&[5; 4], 100), [vec![0, 1, 2, 3]]);
+        assert_eq!(ranges(&plan_shards(&[5; 4], 12)), [0..2, 2..4]);
         // Greedy at 9 packs [3,3,3] [1,1,1]; balanced keeps 2 shards but evens them: 6 and 6.
         let sizes = [3, 3, 3, 1, 1, 1];
         assert_eq!(greedy(&sizes, 9), [0..3, 3..6]);
-        assert_eq!(plan_shards(&sizes, 9), [0..2, 2..6]);
-        // A tensor over the limit is a shard of its own; nothing is lost or reordered.
-        let sizes = [1, 50, 1, 1];
-        let shards = plan_shards(&sizes, 10);
-        assert!(shards.iter().any(|r| r.start == 1 && r.end == 2));
-        assert_eq!(shards.first().unwrap().start, 0);
-        assert_eq!(shards.last().unwrap().end, 4);
-        assert!(shards.windows(2).all(|w| w[0].end == w[1].start));
-        assert!(plan_shards(&[], 10).iter().eq(std::iter::once(&(0..0))));
+        assert_eq!(ranges(&plan_shards(&sizes, 9)), [0..2, 2..6]);
+        assert_eq!(plan_shards(&[], 10), [Vec::<usize>::new()]);
+    }
+
+    #[test]
+    fn a_tensor_over_the_limit_is_alone_and_the_others_stay_within_it() {
+        // As transformers: the big one alone, the others packed across it within the limit.
+        for (sizes, expected) in [
+            (vec![100, 100, 100, 100, 5000], vec![vec![0, 1], vec![2, 3], vec![4]]),
+            (vec![5000, 100, 100, 100, 100], vec![vec![0], vec![1, 2], vec![3, 4]]),
+            (vec![100, 5000, 100], vec![vec![0, 2], vec![1]]),
+        ] {
+            let shards = plan_shards(&sizes, 250);
+            assert_eq!(shards, expected, "{sizes:?}");
+            for s in shards.iter().filter(|s| s.len() > 1) {
+                assert!(s.iter().map(|&i| sizes[i]).sum::<u64>() <= 250);
+            }
+        }
     }
 
     #[test]

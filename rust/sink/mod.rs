@@ -51,6 +51,11 @@ impl FileSink {
     pub fn create(path: &Path, len: u64, direct: bool) -> Result<FileSink> {
         let name =
             path.file_name().ok_or_else(|| Error::InvalidArgument(format!("{}: not a file name", path.display())))?;
+        // A directory in the way would only fail the rename, after every byte was written,
+        // and a save of several files would then have published some: refused first.
+        if std::fs::symlink_metadata(path).is_ok_and(|m| m.is_dir()) {
+            return Err(Error::io(path, "create", std::io::Error::from_raw_os_error(libc::EISDIR)));
+        }
         let n = NEXT_TEMP.fetch_add(1, Ordering::Relaxed);
         let temp = path.with_file_name(format!(".{}.{}.{n}.tmp", name.to_string_lossy(), std::process::id()));
         let open = |flags: i32| OpenOptions::new().write(true).create_new(true).custom_flags(flags).open(&temp);
@@ -264,6 +269,16 @@ mod tests {
         sink.finish().unwrap();
         publish(vec![sink]).unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), vec![7u8; 5000]);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_directory_under_the_name_is_refused_before_anything_is_written() {
+        let dir = tempdir();
+        std::fs::create_dir(dir.join("model.safetensors")).unwrap();
+        let err = FileSink::create(&dir.join("model.safetensors"), 10, true).err().unwrap().to_string();
+        assert!(err.ends_with("model.safetensors: create failed: Is a directory (os error 21)"), "{err}");
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
         std::fs::remove_dir_all(dir).unwrap();
     }
 

