@@ -65,7 +65,8 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # the names of its API that the docs speak of on purpose (what `install_as_fastsafetensors()`
 # routes, and what it does not provide).
 IBM_NAMES = {"loader", "parallel_loader", "common", "st_types", "file_buffer", "cpp", "AutoLoader",
-             "SafeTensorsFileLoader", "SingleGroup", "fastsafe_open", "ParallelLoader", "FilesBufferOnDevice", "DType"}
+             "SafeTensorsFileLoader", "SingleGroup", "fastsafe_open", "ParallelLoader", "FilesBufferOnDevice", "DType",
+             "saver", "ParallelSaver"}
 
 
 def _prefixed_names():
