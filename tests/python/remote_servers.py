@@ -1,7 +1,7 @@
 """Servers on 127.0.0.1 for the remote-source tests: Garage (a real S3 server, built into
 build/garage by `make garage`), an HTTP file server with range and If-Match support, and an
-HTTP proxy that injects faults (503s, slow responses) between the loader and either of them.
-Nothing here reaches beyond the loopback interface.
+HTTP proxy that injects faults (503s, slow responses) between the loader and either of them,
+and a TCP proxy that adds round-trip time and a bandwidth cap (DelayProxy). Nothing here reaches beyond the loopback interface.
 
 `python remote_servers.py serve DIR PORT_FILE [DELAY_S]` runs the file server in its own
 process (so that a test can kill it mid-transfer); it writes its port to PORT_FILE."""
@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import http.client
 import os
+import queue
 import re
 import secrets
 import shutil
@@ -275,6 +276,126 @@ class FaultProxy(_LoopbackServer):
         self.seen = 0
         self.delay = 0.0
         self.lock = threading.Lock()
+
+
+# ------------------------------------------------------------------------------ delay proxy
+class DelayProxy:
+    """A TCP proxy on 127.0.0.1 to `upstream` (a port on 127.0.0.1) that adds round-trip time
+    without netem (this kernel has none): every byte is forwarded `delay` seconds after it
+    arrived, in each direction, so a request and its answer gain `2 * delay` (the RTT). Bytes
+    keep their order; both directions run at once (full duplex); each connection has its own
+    threads (one reader and one writer per direction), so connections never wait on each
+    other. With `rate` (bytes/s), each direction of each connection is also paced to at most
+    that many bytes a second.
+
+    What it does not model: TCP's own acknowledgements and window still run at loopback speed
+    between the client and the proxy, so it is as if the link had an unbounded window; a
+    connection's setup (SYN, SYN-ACK) is not delayed, its first bytes are. A half-close (EOF)
+    is forwarded after the same delay; a reset closes both sides.
+
+        with DelayProxy(server_port, delay=0.04) as proxy:   # 80 ms RTT
+            load(f"http://127.0.0.1:{proxy.port}/model.safetensors")
+
+    `connections` counts the connections accepted; `forwarded` the bytes sent on, both ways."""
+
+    CHUNK = 64 << 10
+
+    def __init__(self, upstream: int, delay: float = 0.0, rate: float | None = None):
+        self.upstream, self.delay, self.rate = upstream, delay, rate
+        self.connections = 0
+        self.forwarded = 0
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._stopped = threading.Event()
+        self._sockets: list = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        threading.Thread(target=self._accept, daemon=True, name="delay-proxy-accept").start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stopped.set()
+        self._listener.close()
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for s in sockets:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def _accept(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            try:
+                server = socket.create_connection(("127.0.0.1", self.upstream))
+            except OSError:
+                client.close()
+                continue
+            for s in (client, server):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self.connections += 1
+                self._sockets += [client, server]
+            for src, dst in ((client, server), (server, client)):
+                chunks: queue.Queue = queue.Queue()
+                threading.Thread(target=self._read, args=(src, chunks), daemon=True).start()
+                threading.Thread(target=self._write, args=(dst, src, chunks), daemon=True).start()
+
+    def _read(self, src: socket.socket, chunks: queue.Queue) -> None:
+        """Stamps each chunk with the time it may leave; None for the end of the stream."""
+        while True:
+            try:
+                data = src.recv(self.CHUNK)
+            except OSError:
+                data = b""
+            chunks.put((time.monotonic() + self.delay, data or None))
+            if not data:
+                return
+
+    def _write(self, dst: socket.socket, src: socket.socket, chunks: queue.Queue) -> None:
+        free_at = 0.0  # with a rate: when the paced link can take the next byte
+        while True:
+            due, data = chunks.get()
+            wait = due - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            if data is None:
+                try:
+                    dst.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+                return
+            try:
+                if self.rate:
+                    # Slices of 1/100 s of the rate, each sent when the link is free again.
+                    step = max(1, int(self.rate / 100))
+                    for i in range(0, len(data), step):
+                        piece = data[i:i + step]
+                        now = time.monotonic()
+                        if free_at > now:
+                            time.sleep(free_at - now)
+                        free_at = max(free_at, now) + len(piece) / self.rate
+                        dst.sendall(piece)
+                else:
+                    dst.sendall(data)
+            except OSError:
+                for s in (src, dst):  # the other side is gone: end both
+                    try:
+                        s.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                return
+            with self._lock:
+                self.forwarded += len(data)
 
 
 # ------------------------------------------------------------------------------ Garage
