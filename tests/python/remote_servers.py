@@ -102,10 +102,31 @@ class _FileHandler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def _redirect(self) -> str | None:
+        """Where this request is sent on, if the server redirects it (see FileServer)."""
+        srv = self.server
+        host = self.headers.get("Host", "")
+        if srv.redirect_hops:
+            parts = urllib.parse.urlsplit(self.path)
+            query = urllib.parse.parse_qs(parts.query)
+            hop = int(query.get("hop", ["0"])[0])
+            if hop < srv.redirect_hops:
+                query["hop"] = [str(hop + 1)]
+                return f"http://{host}{parts.path}?{urllib.parse.urlencode(query, doseq=True)}"
+        if srv.redirect_to and (srv.redirect_host is None or host.rsplit(":", 1)[0] == srv.redirect_host):
+            return srv.redirect_to + self.path
+        return None
+
     def _serve(self, body: bool) -> None:
         self.server.requests.append((self.command, self.path, self.headers.get("Range")))
+        self.server.headers_seen.append({k.title(): v for k, v in self.headers.items()})
         if not self._authorized():
             return self._reply(403, {}, b"<Error><Code>AccessDenied</Code></Error>")
+        if self.server.redirect_bare:
+            return self._reply(self.server.redirect_status, {}, b"moved")
+        location = self._redirect()
+        if location is not None:
+            return self._reply(self.server.redirect_status, {"Location": location}, b"moved")
         path = self._file()
         if path is None:
             return self._reply(404, {}, b"not found")
@@ -125,7 +146,7 @@ class _FileHandler(BaseHTTPRequestHandler):
         size = st.st_size
         start, end, status = 0, size, 200
         rng = self.headers.get("Range")
-        if rng:
+        if rng and not self.server.whole_body:
             m = re.fullmatch(r"bytes=(\d*)-(\d*)", rng.strip())
             if not m:
                 return self._reply(416, common)
@@ -138,7 +159,7 @@ class _FileHandler(BaseHTTPRequestHandler):
                 return self._reply(416, {**common, "Content-Range": f"bytes */{size}"})
             status = 206
             common["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
-        if self.server.encoding == "gzip":
+        if self.server.encoding == "gzip" and start >= self.server.encoding_from:
             with open(path, "rb") as f:
                 f.seek(start)
                 data = gzip.compress(f.read(end - start))
@@ -146,7 +167,13 @@ class _FileHandler(BaseHTTPRequestHandler):
         self.send_response(status)
         for k, v in common.items():
             self.send_header(k, v)
-        self.send_header("Content-Length", str(end - start))
+        lie = self.server.length_error if body else 0
+        self.send_header("Content-Length", str(end - start + lie))
+        if lie:
+            # Says a wrong length, sends the real body, then hangs up (keeping the connection
+            # would leave the client waiting for bytes that never come, or reading stray ones).
+            self.send_header("Connection", "close")
+            self.close_connection = True
         self.end_headers()
         if not body:
             return
@@ -197,11 +224,35 @@ class FileServer(_LoopbackServer):
         self.delay_from = 0  # answers for ranges starting before this byte are not delayed
         # Which validators the answers carry, and the signature a request's query must hold.
         self.etag, self.last_modified, self.secret, self.basic_auth = etag, last_modified, secret, basic_auth
-        # "gzip": every answer's body compressed, with Content-Encoding, whatever was asked for.
+        # "gzip": every answer's body compressed, with Content-Encoding, whatever was asked for
+        # (from `encoding_from` on: answers for ranges starting before that byte are not).
         self.encoding = encoding
+        self.encoding_from = 0
+        # Redirects, as a Hugging Face `resolve/` URL or a CDN answers: every request (or those
+        # whose Host header names `redirect_host`) is sent to `redirect_to` + its path with
+        # `redirect_status`; with `redirect_hops` = N, each request first goes through a chain
+        # of N redirects to this server itself (`?hop=1` ... `?hop=N`). `redirect_to` = own URL
+        # is a loop.
+        self.redirect_to: str | None = None
+        self.redirect_host: str | None = None
+        self.redirect_status = 302
+        self.redirect_hops = 0
+        self.redirect_bare = False  # redirects with no Location header
+        # Broken servers: `whole_body` answers a Range request with 200 and the whole file (a
+        # server that ignores Range); `length_error` = n says a Content-Length n bytes off the
+        # body it sends (then closes the connection).
+        self.whole_body = False
+        self.length_error = 0
+        self.headers_seen: list = []  # every request's headers, as a dict (names Title-Cased)
         self.sent = 0
         self.requests: list = []
         self._lock = threading.Lock()
+
+    def handle_error(self, request, client_address):
+        # A client that hangs up mid-answer (a load that failed, a lying Content-Length) is
+        # expected here: no traceback for it.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
     def count(self, n: int) -> None:
         with self._lock:
@@ -211,6 +262,7 @@ class FileServer(_LoopbackServer):
         with self._lock:
             self.sent = 0
             self.requests.clear()
+            self.headers_seen.clear()
 
 
 # ------------------------------------------------------------------------------ fault proxy
