@@ -397,29 +397,23 @@ impl RemoteObject {
         let (identity, prefix) = block_on(async {
             let options = GetOptions { range: Some((0..SPECULATIVE_HEADER).into()), ..Default::default() };
             let at = &at;
-            let got = with_retries(&at.url, &settings, || async {
-                match at.store.get_opts(&at.path, options.clone()).await {
+            // The body is read inside the retries: a first answer cut short is asked for again,
+            // as a part's is (its meta and bytes come from the same answer).
+            let (meta, attributes, range, bytes) = with_retries(&at.url, &settings, || async {
+                let got = match at.store.get_opts(&at.path, options.clone()).await {
                     // An empty object has no range to give: ask for it whole.
                     Err(e) if is_unsatisfiable(&e) => at.store.get_opts(&at.path, GetOptions::default()).await,
                     got => got,
-                }
+                }?;
+                let (meta, attributes, range) = (got.meta.clone(), got.attributes.clone(), got.range.clone());
+                Ok((meta, attributes, range, got.bytes().await?))
             })
             .await?;
-            // Ranges address the bytes as sent: compressed ones are not the object's own.
-            if let Some(encoding) = got.attributes.get(&Attribute::ContentEncoding) {
-                if !encoding.eq_ignore_ascii_case("identity") {
-                    return Err(Error::RemoteAnswer {
-                        url: at.url.clone(),
-                        reason: format!(
-                            "the server sent it with Content-Encoding: {}, which was not asked for: ranged reads \
-                             need the object's own bytes, so serve (or store) it uncompressed",
-                            &**encoding
-                        ),
-                    });
-                }
+            uncompressed(&at.url, &attributes)?;
+            let identity = identity_of(&meta);
+            if bytes.len() as u64 != range.end - range.start {
+                return Err(short_answer(&at.url, range.start, range.end - range.start, bytes.len() as u64));
             }
-            let identity = identity_of(&got.meta);
-            let bytes = got.bytes().await.map_err(|e| remote_error(&at.url, e))?;
             Ok((identity, bytes))
         })?;
         if let Identity::Object { e_tag: None, version: None, modified: None, .. } = &identity {
@@ -491,6 +485,8 @@ impl RemoteObject {
             if !self.same_version(&identity_of(&got.meta)) {
                 return Err(Error::RemoteChanged { url: self.at.url.clone() });
             }
+            // Checked on every answer, not only the first: a CDN may compress some and not others.
+            uncompressed(&self.at.url, &got.attributes)?;
             let mut body = got.into_stream();
             let mut done = 0usize;
             let mut cut = None;
@@ -517,12 +513,10 @@ impl RemoteObject {
             match cut {
                 Some(e) if retries.again(&e).await => continue,
                 Some(e) => return Err(retries.give_up(&self.at.url, e)),
+                // The body ended where its own framing (Content-Length) said, before the range
+                // its Content-Range promised: a server that miscounts, which a retry would not mend.
                 None if done < dst.len() => {
-                    return Err(Error::Truncated {
-                        path: self.path.clone(),
-                        at: start + done as u64,
-                        expected: self.len(),
-                    })
+                    return Err(short_answer(&self.at.url, start, dst.len() as u64, done as u64))
                 }
                 None => return Ok(()),
             }
@@ -729,6 +723,76 @@ pub fn sibling(url: &str, name: &str) -> String {
     }
 }
 
+/// Refuses an answer whose body was compressed by the server (`Content-Encoding` other than
+/// identity): ranges address the object's own bytes, not the compressed ones, and the client
+/// never asks for compression.
+fn uncompressed(url: &str, attributes: &object_store::Attributes) -> Result<()> {
+    match attributes.get(&Attribute::ContentEncoding) {
+        Some(encoding) if !encoding.eq_ignore_ascii_case("identity") => Err(Error::RemoteAnswer {
+            url: url.to_owned(),
+            reason: format!(
+                "the server sent it with Content-Encoding: {}, which was not asked for: ranged reads need the \
+                 object's own bytes, so serve (or store) it uncompressed",
+                &**encoding
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// The error for an answer to a GET of `asked` bytes from `start` whose body ended, cleanly,
+/// after `got` bytes: its Content-Length and Content-Range disagree.
+fn short_answer(url: &str, start: u64, asked: u64, got: u64) -> Error {
+    Error::RemoteAnswer {
+        url: url.to_owned(),
+        reason: format!(
+            "the server's answer to a GET of bytes {start}-{} ended after {got} of them: its Content-Length is \
+             shorter than the range its Content-Range says it sends",
+            start + asked - 1
+        ),
+    }
+}
+
+/// What is wrong with an answer that object_store refused before its body was read, in
+/// words a user can act on; None for other errors. (object_store's error types for these are
+/// private: their messages, pinned by Cargo.lock, are what tells them apart.)
+fn answer_problem(text: &str) -> Option<String> {
+    let reason = if text.contains("too many redirects") {
+        // reqwest's default policy, which object_store keeps: at most 10 redirects.
+        "the server redirected the request more than 10 times (a redirect loop, or a chain longer than \
+         the 10 redirects followed)"
+            .to_owned()
+    } else if text.contains("Received redirect without LOCATION") {
+        "the server answered with a redirect (3xx) that has no Location header: there is nowhere to follow it"
+            .to_owned()
+    } else if text.contains("Received non-partial response when range requested")
+        || text.contains("Range request not supported by")
+    {
+        // The second is the HTTP store's own check of the same thing.
+        "the server answered a ranged GET with 200 and the whole object instead of 206 and the range: it \
+         ignores Range, and a load needs a server that supports Range requests (a whole body is never read \
+         as the part asked for)"
+            .to_owned()
+    } else if text.contains("Content-Range header not present in partial response") {
+        "the server answered a ranged GET with 206 but no Content-Range header, so which bytes it sent is \
+         unknown"
+            .to_owned()
+    } else if let Some(what) = text
+        .match_indices("Requested ")
+        .map(|(i, _)| &text[i..])
+        .find(|rest| rest[10..].starts_with(|c: char| c.is_ascii_digit()) && rest.contains(", got "))
+    {
+        // object_store's "Requested 0..65536, got 0..1000", not a reason phrase ("Requested
+        // Range Not Satisfiable").
+        format!("the server sent other bytes than the range asked for ({what}; ranges are end-exclusive)")
+    } else if text.contains("Failed to parse value for CONTENT_RANGE") {
+        "the server's Content-Range header is not one range of a known size (bytes START-END/SIZE)".to_owned()
+    } else {
+        return None;
+    };
+    Some(reason)
+}
+
 /// The version `meta` describes. A missing Last-Modified header comes from the store as the
 /// epoch: that is no date.
 fn identity_of(meta: &object_store::ObjectMeta) -> Identity {
@@ -887,6 +951,11 @@ pub(crate) fn remote_error(url: &str, e: object_store::Error) -> Error {
         object_store::Error::PermissionDenied { .. } | object_store::Error::Unauthenticated { .. } => {
             Error::RemoteDenied { url, code: code.unwrap_or_else(|| "access denied".to_owned()) }
         }
+        object_store::Error::Generic { .. } | object_store::Error::NotSupported { .. }
+            if answer_problem(&text).is_some() =>
+        {
+            Error::RemoteAnswer { url, reason: answer_problem(&text).unwrap_or_default() }
+        }
         _ if CREDENTIAL_SOURCES.iter().any(|m| text.contains(m)) => Error::RemoteNoCredentials { url },
         _ => {
             // The request's cause, without the server's body (see above), nor the store's
@@ -991,6 +1060,26 @@ mod tests {
         let e = object_store::Error::Generic { store: "S3", source: body.into() };
         let msg = remote_error("s3://b/k", e).to_string();
         assert!(msg.contains("InternalError") && !msg.contains("AKIA"), "{msg}");
+    }
+
+    #[test]
+    fn answers_object_store_refused_are_named() {
+        let refused = |text: &str| answer_problem(text).unwrap_or_default();
+        assert!(refused("HTTP error: error following redirect for url (http://h/x): too many redirects")
+            .contains("more than 10 times"));
+        assert!(refused("Received non-partial response when range requested").contains("200 and the whole object"));
+        assert!(refused("Range request not supported by m.safetensors").contains("200 and the whole object"));
+        assert!(refused("Received redirect without LOCATION, this normally ...").contains("no Location header"));
+        assert!(refused("Requested 0..65536, got 0..1000").contains("(Requested 0..65536, got 0..1000;"));
+        assert!(refused("Content-Range header not present in partial response").contains("no Content-Range"));
+        // A 416's reason phrase is not a wrong range; other errors are not these.
+        assert_eq!(answer_problem("non-2xx status code: 416 Requested Range Not Satisfiable"), None);
+        assert_eq!(answer_problem("Server returned non-2xx status code: 503 Service Unavailable"), None);
+        let e = object_store::Error::Generic {
+            store: "HTTP",
+            source: "Received non-partial response when range requested".into(),
+        };
+        assert!(matches!(remote_error("http://h/m", e), Error::RemoteAnswer { .. }));
     }
 
     #[test]

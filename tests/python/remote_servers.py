@@ -1,7 +1,7 @@
 """Servers on 127.0.0.1 for the remote-source tests: Garage (a real S3 server, built into
 build/garage by `make garage`), an HTTP file server with range and If-Match support, and an
-HTTP proxy that injects faults (503s, slow responses) between the loader and either of them.
-Nothing here reaches beyond the loopback interface.
+HTTP proxy that injects faults (503s, slow responses) between the loader and either of them,
+and a TCP proxy that adds round-trip time and a bandwidth cap (DelayProxy). Nothing here reaches beyond the loopback interface.
 
 `python remote_servers.py serve DIR PORT_FILE [DELAY_S]` runs the file server in its own
 process (so that a test can kill it mid-transfer); it writes its port to PORT_FILE."""
@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import http.client
 import os
+import queue
 import re
 import secrets
 import shutil
@@ -101,10 +102,31 @@ class _FileHandler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def _redirect(self) -> str | None:
+        """Where this request is sent on, if the server redirects it (see FileServer)."""
+        srv = self.server
+        host = self.headers.get("Host", "")
+        if srv.redirect_hops:
+            parts = urllib.parse.urlsplit(self.path)
+            query = urllib.parse.parse_qs(parts.query)
+            hop = int(query.get("hop", ["0"])[0])
+            if hop < srv.redirect_hops:
+                query["hop"] = [str(hop + 1)]
+                return f"http://{host}{parts.path}?{urllib.parse.urlencode(query, doseq=True)}"
+        if srv.redirect_to and (srv.redirect_host is None or host.rsplit(":", 1)[0] == srv.redirect_host):
+            return srv.redirect_to + self.path
+        return None
+
     def _serve(self, body: bool) -> None:
         self.server.requests.append((self.command, self.path, self.headers.get("Range")))
+        self.server.headers_seen.append({k.title(): v for k, v in self.headers.items()})
         if not self._authorized():
             return self._reply(403, {}, b"<Error><Code>AccessDenied</Code></Error>")
+        if self.server.redirect_bare:
+            return self._reply(self.server.redirect_status, {}, b"moved")
+        location = self._redirect()
+        if location is not None:
+            return self._reply(self.server.redirect_status, {"Location": location}, b"moved")
         path = self._file()
         if path is None:
             return self._reply(404, {}, b"not found")
@@ -124,7 +146,7 @@ class _FileHandler(BaseHTTPRequestHandler):
         size = st.st_size
         start, end, status = 0, size, 200
         rng = self.headers.get("Range")
-        if rng:
+        if rng and not self.server.whole_body:
             m = re.fullmatch(r"bytes=(\d*)-(\d*)", rng.strip())
             if not m:
                 return self._reply(416, common)
@@ -137,7 +159,7 @@ class _FileHandler(BaseHTTPRequestHandler):
                 return self._reply(416, {**common, "Content-Range": f"bytes */{size}"})
             status = 206
             common["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
-        if self.server.encoding == "gzip":
+        if self.server.encoding == "gzip" and start >= self.server.encoding_from:
             with open(path, "rb") as f:
                 f.seek(start)
                 data = gzip.compress(f.read(end - start))
@@ -145,7 +167,13 @@ class _FileHandler(BaseHTTPRequestHandler):
         self.send_response(status)
         for k, v in common.items():
             self.send_header(k, v)
-        self.send_header("Content-Length", str(end - start))
+        lie = self.server.length_error if body else 0
+        self.send_header("Content-Length", str(end - start + lie))
+        if lie:
+            # Says a wrong length, sends the real body, then hangs up (keeping the connection
+            # would leave the client waiting for bytes that never come, or reading stray ones).
+            self.send_header("Connection", "close")
+            self.close_connection = True
         self.end_headers()
         if not body:
             return
@@ -196,11 +224,35 @@ class FileServer(_LoopbackServer):
         self.delay_from = 0  # answers for ranges starting before this byte are not delayed
         # Which validators the answers carry, and the signature a request's query must hold.
         self.etag, self.last_modified, self.secret, self.basic_auth = etag, last_modified, secret, basic_auth
-        # "gzip": every answer's body compressed, with Content-Encoding, whatever was asked for.
+        # "gzip": every answer's body compressed, with Content-Encoding, whatever was asked for
+        # (from `encoding_from` on: answers for ranges starting before that byte are not).
         self.encoding = encoding
+        self.encoding_from = 0
+        # Redirects, as a Hugging Face `resolve/` URL or a CDN answers: every request (or those
+        # whose Host header names `redirect_host`) is sent to `redirect_to` + its path with
+        # `redirect_status`; with `redirect_hops` = N, each request first goes through a chain
+        # of N redirects to this server itself (`?hop=1` ... `?hop=N`). `redirect_to` = own URL
+        # is a loop.
+        self.redirect_to: str | None = None
+        self.redirect_host: str | None = None
+        self.redirect_status = 302
+        self.redirect_hops = 0
+        self.redirect_bare = False  # redirects with no Location header
+        # Broken servers: `whole_body` answers a Range request with 200 and the whole file (a
+        # server that ignores Range); `length_error` = n says a Content-Length n bytes off the
+        # body it sends (then closes the connection).
+        self.whole_body = False
+        self.length_error = 0
+        self.headers_seen: list = []  # every request's headers, as a dict (names Title-Cased)
         self.sent = 0
         self.requests: list = []
         self._lock = threading.Lock()
+
+    def handle_error(self, request, client_address):
+        # A client that hangs up mid-answer (a load that failed, a lying Content-Length) is
+        # expected here: no traceback for it.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
     def count(self, n: int) -> None:
         with self._lock:
@@ -210,6 +262,7 @@ class FileServer(_LoopbackServer):
         with self._lock:
             self.sent = 0
             self.requests.clear()
+            self.headers_seen.clear()
 
 
 # ------------------------------------------------------------------------------ fault proxy
@@ -275,6 +328,126 @@ class FaultProxy(_LoopbackServer):
         self.seen = 0
         self.delay = 0.0
         self.lock = threading.Lock()
+
+
+# ------------------------------------------------------------------------------ delay proxy
+class DelayProxy:
+    """A TCP proxy on 127.0.0.1 to `upstream` (a port on 127.0.0.1) that adds round-trip time
+    without netem (this kernel has none): every byte is forwarded `delay` seconds after it
+    arrived, in each direction, so a request and its answer gain `2 * delay` (the RTT). Bytes
+    keep their order; both directions run at once (full duplex); each connection has its own
+    threads (one reader and one writer per direction), so connections never wait on each
+    other. With `rate` (bytes/s), each direction of each connection is also paced to at most
+    that many bytes a second.
+
+    What it does not model: TCP's own acknowledgements and window still run at loopback speed
+    between the client and the proxy, so it is as if the link had an unbounded window; a
+    connection's setup (SYN, SYN-ACK) is not delayed, its first bytes are. A half-close (EOF)
+    is forwarded after the same delay; a reset closes both sides.
+
+        with DelayProxy(server_port, delay=0.04) as proxy:   # 80 ms RTT
+            load(f"http://127.0.0.1:{proxy.port}/model.safetensors")
+
+    `connections` counts the connections accepted; `forwarded` the bytes sent on, both ways."""
+
+    CHUNK = 64 << 10
+
+    def __init__(self, upstream: int, delay: float = 0.0, rate: float | None = None):
+        self.upstream, self.delay, self.rate = upstream, delay, rate
+        self.connections = 0
+        self.forwarded = 0
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._stopped = threading.Event()
+        self._sockets: list = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        threading.Thread(target=self._accept, daemon=True, name="delay-proxy-accept").start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stopped.set()
+        self._listener.close()
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for s in sockets:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def _accept(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            try:
+                server = socket.create_connection(("127.0.0.1", self.upstream))
+            except OSError:
+                client.close()
+                continue
+            for s in (client, server):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self.connections += 1
+                self._sockets += [client, server]
+            for src, dst in ((client, server), (server, client)):
+                chunks: queue.Queue = queue.Queue()
+                threading.Thread(target=self._read, args=(src, chunks), daemon=True).start()
+                threading.Thread(target=self._write, args=(dst, src, chunks), daemon=True).start()
+
+    def _read(self, src: socket.socket, chunks: queue.Queue) -> None:
+        """Stamps each chunk with the time it may leave; None for the end of the stream."""
+        while True:
+            try:
+                data = src.recv(self.CHUNK)
+            except OSError:
+                data = b""
+            chunks.put((time.monotonic() + self.delay, data or None))
+            if not data:
+                return
+
+    def _write(self, dst: socket.socket, src: socket.socket, chunks: queue.Queue) -> None:
+        free_at = 0.0  # with a rate: when the paced link can take the next byte
+        while True:
+            due, data = chunks.get()
+            wait = due - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            if data is None:
+                try:
+                    dst.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+                return
+            try:
+                if self.rate:
+                    # Slices of 1/100 s of the rate, each sent when the link is free again.
+                    step = max(1, int(self.rate / 100))
+                    for i in range(0, len(data), step):
+                        piece = data[i:i + step]
+                        now = time.monotonic()
+                        if free_at > now:
+                            time.sleep(free_at - now)
+                        free_at = max(free_at, now) + len(piece) / self.rate
+                        dst.sendall(piece)
+                else:
+                    dst.sendall(data)
+            except OSError:
+                for s in (src, dst):  # the other side is gone: end both
+                    try:
+                        s.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                return
+            with self._lock:
+                self.forwarded += len(data)
 
 
 # ------------------------------------------------------------------------------ Garage

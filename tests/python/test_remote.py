@@ -23,7 +23,7 @@ from safetensors.torch import load_file as st_load_file
 
 import fastsafetensors_rs as fst
 import fst_testutils as U
-from remote_servers import FaultProxy, FileServer, Garage, garage_binary, wait_for_port
+from remote_servers import DelayProxy, FaultProxy, FileServer, Garage, garage_binary, wait_for_port
 
 BUCKET = "models"
 REMOTE_ENV = ("FASTSAFETENSORS_REMOTE_PART_SIZE", "FASTSAFETENSORS_REMOTE_CONCURRENCY",
@@ -314,6 +314,21 @@ def test_a_server_killed_mid_load_fails_the_load_promptly(local_models, tmp_path
     finally:
         server.kill()
         server.wait()
+
+
+def test_an_s3_load_behind_80ms_of_rtt_completes_bit_exact(s3_env, local_models, monkeypatch):
+    """Through the delaying TCP proxy (40 ms each way), within a 5 s request timeout and one
+    retry: 14 parts of 1 MiB in parallel, the SigV4 signatures as the client made them."""
+    monkeypatch.setenv("FASTSAFETENSORS_REMOTE_TIMEOUT", "5")
+    monkeypatch.setenv("FASTSAFETENSORS_REMOTE_RETRIES", "1")
+    with DelayProxy(s3_env.s3_port, delay=0.040) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        start = time.monotonic()
+        got = fst.load_file(f"s3://{BUCKET}/big/model.safetensors")
+        took = time.monotonic() - start
+        assert proxy.connections >= 1 and proxy.forwarded >= (local_models / "big" / "model.safetensors").stat().st_size
+    U.assert_same_dict(got, reference(local_models / "big" / "model.safetensors"))
+    assert took >= 2 * 0.080, took  # the open, then the parts: two round trips at least
 
 
 # ------------------------------------------------------------------------------ faults
