@@ -344,7 +344,8 @@ mod ffi {
         /// their device after event `ready` (0: none). Returns the paths written, index last.
         ///
         /// # Safety
-        /// Every tensor's `nbytes` at `address` stay readable and unchanged until this returns.
+        /// Every tensor's bytes at `address` (contiguous, its shape's size) stay readable and
+        /// unchanged until this returns.
         #[allow(clippy::too_many_arguments)]
         unsafe fn save(
             tensors: &Vec<SaveTensorSpec>,

@@ -462,33 +462,33 @@ def _fsync(paths: List[str]) -> None:
 
 def _bench_saves(args: argparse.Namespace, paths: List[str], show: bool) -> List[Dict[str, Any]]:
     """--save DIR: the checkpoint loaded once (to --device), then saved into DIR as many times
-    as --repeat, in as many shards as it has files: `fastsafetensors_rs.save`, and safetensors'
-    `save_file` of the same shards followed by an fsync of each file and of DIR (a save counts
-    once it is durable, as ours is when it returns). Each save replaces the previous one."""
+    as --repeat, in as many shards as it has files: `fastsafetensors_rs.save` (first in every
+    round), and safetensors' `save_file` of the same shards (as ours' index lists them)
+    followed by an fsync of each file and of DIR (a save counts once it is durable, as ours is
+    when it returns). Each save replaces the previous one."""
     tensors = api.load(paths, device=_device(args.device), reader=args.reader)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     shard_bytes = total // len(paths) + 1
-    shards: List[Dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():  # the same shards as ours, for safetensors
-        n = t.numel() * t.element_size()
-        if shards[-1] and size + n > shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += n
     out = os.path.abspath(args.save)
+    shards: List[List[str]] = []  # ours' shards, as its index (or single file) has them
 
-    def ours() -> None:
+    def ours() -> List[str]:
         from .saving import save
-        save(tensors, out, max_shard_size=shard_bytes)
+        return save(tensors, out, max_shard_size=shard_bytes)
+
+    def groups(written: List[str]) -> List[List[str]]:
+        if not written[-1].endswith(".index.json"):
+            return [list(tensors)]
+        with open(written[-1], encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        return [[n for n in tensors if weight_map[n] == os.path.basename(p)] for p in written[:-1]]
 
     def stock() -> None:
         from safetensors.torch import save_file
         written = []
-        for i, shard in enumerate(shards):
+        for i, names in enumerate(shards):
             written.append(os.path.join(out, f"st-{i:05d}.safetensors"))
-            save_file({k: v.contiguous() for k, v in shard.items()}, written[-1])
+            save_file({k: tensors[k].contiguous() for k in names}, written[-1])
         _fsync(written + [out])
 
     savers = {"fastsafetensors_rs": ours}
@@ -499,8 +499,10 @@ def _bench_saves(args: argparse.Namespace, paths: List[str], show: bool) -> List
         shutil.rmtree(out, ignore_errors=True)
         os.makedirs(out)
         start = time.perf_counter()
-        savers[name]()
+        written = savers[name]()
         seconds.setdefault(name, []).append(time.perf_counter() - start)
+        if written and not shards:
+            shards.extend(groups(written))
     shutil.rmtree(out, ignore_errors=True)
     results = [{"mode": "save", "loader": name, "seconds": times, "median_s": statistics.median(times),
                 "gb_per_s": total / statistics.median(times) / 1e9} for name, times in seconds.items()]

@@ -213,62 +213,26 @@ fn greedy(sizes: &[u64], cap: u64) -> Vec<Range<usize>> {
 }
 
 /// The index transformers writes beside a sharded checkpoint, byte for byte: Python's
-/// `json.dumps(index, indent=2, sort_keys=True) + "\n"` (non-ASCII escaped as `\uXXXX`).
+/// `json.dumps(index, indent=2, sort_keys=True) + "\n"`. serde_json's pretty output has the
+/// same layout (maps sorted as BTreeMaps); Python's `ensure_ascii` then writes every
+/// non-ASCII character as `\uXXXX` (UTF-16 units), which is valid wherever it occurs, as
+/// only strings hold such characters.
 pub fn index_json(total_size: u64, weight_map: &BTreeMap<String, String>) -> Vec<u8> {
     let metadata = BTreeMap::from([("total_size", total_size)]);
     let index = serde_json::json!({ "metadata": metadata, "weight_map": weight_map });
-    let mut out = Vec::new();
-    let formatter = AsciiFormatter(serde_json::ser::PrettyFormatter::with_indent(b"  "));
-    let mut serializer = serde_json::Serializer::with_formatter(&mut out, formatter);
-    serde::Serialize::serialize(&index, &mut serializer).expect("JSON of strings and numbers always serializes");
-    out.push(b'\n');
-    out
-}
-
-/// serde_json's pretty output with Python's `ensure_ascii`: every non-ASCII character as
-/// `\uXXXX` (UTF-16 units, so surrogate pairs beyond the BMP).
-struct AsciiFormatter<'a>(serde_json::ser::PrettyFormatter<'a>);
-
-impl serde_json::ser::Formatter for AsciiFormatter<'_> {
-    fn write_string_fragment<W: ?Sized + std::io::Write>(&mut self, w: &mut W, fragment: &str) -> std::io::Result<()> {
-        for c in fragment.chars() {
-            if c.is_ascii() {
-                w.write_all(&[c as u8])?;
-            } else {
-                for unit in c.encode_utf16(&mut [0; 2]) {
-                    write!(w, "\\u{unit:04x}")?;
-                }
+    let pretty = serde_json::to_string_pretty(&index).expect("JSON of strings and numbers always serializes");
+    let mut out = String::with_capacity(pretty.len() + 1);
+    for c in pretty.chars() {
+        if c.is_ascii() {
+            out.push(c);
+        } else {
+            for unit in c.encode_utf16(&mut [0; 2]) {
+                out.push_str(&format!("\\u{unit:04x}"));
             }
         }
-        Ok(())
     }
-    fn begin_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
-        self.0.begin_array(w)
-    }
-    fn end_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
-        self.0.end_array(w)
-    }
-    fn begin_array_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
-        self.0.begin_array_value(w, first)
-    }
-    fn end_array_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
-        self.0.end_array_value(w)
-    }
-    fn begin_object<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
-        self.0.begin_object(w)
-    }
-    fn end_object<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
-        self.0.end_object(w)
-    }
-    fn begin_object_key<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
-        self.0.begin_object_key(w, first)
-    }
-    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
-        self.0.begin_object_value(w)
-    }
-    fn end_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
-        self.0.end_object_value(w)
-    }
+    out.push('\n');
+    out.into_bytes()
 }
 
 /// Where a save goes.
