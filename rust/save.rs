@@ -385,6 +385,19 @@ mod tests {
     }
 
     #[test]
+    fn device_bytes_are_those_the_work_queued_before_the_save_leaves() {
+        let (specs, data) = tensors(&[9000]);
+        // The tensor's bytes are still being written by work queued before the save (a
+        // kernel on torch's stream): the copies must come after it.
+        let device = HostMemoryDevice::new(16 << 10).with_prior_write(0, data[0].clone());
+        let plan = plan_save(specs, &SaveTarget::File("/x.safetensors".into()), None).unwrap();
+        let options = SaveOptions { block: 4096, writers: 2, direct: true };
+        let gather = DeviceGather::new(&device).unwrap();
+        let files = write_to_memory(&plan, &[TensorBytes::Device(0)], &gather, &options).unwrap();
+        assert_eq!(files[0], expected(&plan.files[0], &data));
+    }
+
+    #[test]
     fn a_failed_write_or_copy_fails_the_save() {
         let (specs, data) = tensors(&[100_000]);
         let plan = plan_save(specs, &SaveTarget::File("/x.safetensors".into()), None).unwrap();

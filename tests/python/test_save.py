@@ -949,3 +949,49 @@ def test_a_killed_save_leaves_every_file_whole(tmp_path):
     print(f"20 trials of a {save_time:.2f} s save: {killed} killed mid-save, {changed} changed the checkpoint, "
           f"{mixed} of them left shards of both versions, {left_temps} left temporaries; {elapsed:.1f} s in all")
     assert killed >= 10, f"only {killed} of 20 trials were killed before the save finished"
+
+
+# ---------------------------------------------------------------- the order that makes a save durable
+
+
+def test_every_file_is_synced_before_its_rename_and_the_index_is_renamed_last(tmp_path):
+    """What docs/save.md promises, seen in the system calls of a real save (strace): each
+    temporary file is fsynced before it is renamed to its name, the index is renamed after
+    every shard, and the directory is fsynced after the renames."""
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.skip("strace is not installed: the order of the system calls cannot be observed")
+    d = tmp_path / "ckpt"
+    log = tmp_path / "strace.log"
+    code = ("import sys, torch, fastsafetensors_rs as F\n"
+            "F.save({f'w{i}': torch.full((50_000,), i, dtype=torch.uint8) for i in range(4)}, sys.argv[1],"
+            " max_shard_size=120_000)\n")
+    proc = subprocess.run([strace, "-f", "-y", "-qq", "-o", str(log), "-e", "trace=fsync,fdatasync,rename,renameat,renameat2",
+                           sys.executable, "-c", code, str(d)], capture_output=True, text=True, timeout=120,
+                          env=U.subprocess_env())
+    assert proc.returncode == 0, proc.stderr
+    events = []  # ("fsync", path) or ("rename", source, target), in the order they completed
+    pending = {}  # pid -> the call it started, where strace split it ("<unfinished ...>")
+    for line in log.read_text().splitlines():
+        pid, call = line.split(None, 1)
+        if call.endswith("<unfinished ...>"):
+            pending[pid] = call
+            continue
+        if "resumed>" in call:
+            call = pending.pop(pid, "") + call.split("resumed>", 1)[1]
+        if not call.rstrip().endswith("= 0"):
+            continue
+        m = re.match(r"f(?:data)?sync\(\d+<([^>]*)>", call)
+        if m:
+            events.append(("fsync", m.group(1)))
+        m = re.match(r"rename(?:at2?)?\((?:[^,\"]*, )?\"([^\"]+)\", (?:[^,\"]*, )?\"([^\"]+)\"", call)
+        if m:
+            events.append(("rename", m.group(1), m.group(2)))
+    renames = [e for e in events if e[0] == "rename" and str(d) in e[2]]
+    names = [Path(e[2]).name for e in renames]
+    assert len(names) == 3 and names[-1] == INDEX and all(n.startswith("model-0000") for n in names[:-1]), events
+    for e in renames:
+        synced = [i for i, f in enumerate(events) if f == ("fsync", e[1])]
+        assert synced and synced[0] < events.index(e), f"{e[1]} renamed before it was synced: {events}"
+    last_rename = max(events.index(e) for e in renames)
+    assert any(f == ("fsync", str(d)) for f in events[last_rename:]), f"the directory is not synced after the renames: {events}"
