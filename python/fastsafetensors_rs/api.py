@@ -378,21 +378,28 @@ def _interruptible(work: Callable[[], T], device: str, interrupted: Callable[[],
     cuda = device.startswith("cuda") and torch.cuda.is_available()
     stream = torch.cuda.current_stream(device) if cuda else None
 
+    # The worker says it is done with an Event rather than by ending: a `Thread.join` that a
+    # KeyboardInterrupt broke can leave the thread looking finished to every later join
+    # (CPython 3.11), and a daemon thread still inside an op when the interpreter exits aborts
+    # the process.
+    done = threading.Event()
+
     def run() -> None:
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 outcome["value"] = work()
         except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
             outcome["error"] = e
+        finally:
+            done.set()
 
-    worker = threading.Thread(target=run, name="fastsafetensors-load", daemon=True)
-    worker.start()
+    threading.Thread(target=run, name="fastsafetensors-load", daemon=True).start()
     try:
-        while worker.is_alive():
-            worker.join(0.1)
+        while not done.wait(0.1):
+            pass
     except KeyboardInterrupt:
         if interrupted():
-            worker.join()
+            done.wait()
         raise
     if "error" in outcome:
         raise outcome["error"]

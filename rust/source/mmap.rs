@@ -82,7 +82,7 @@ fn mincore_fraction(map: &[u8]) -> f64 {
     residency.iter().filter(|&&b| b & 1 == 1).count() as f64 / pages as f64
 }
 
-fn page_size() -> usize {
+pub(crate) fn page_size() -> usize {
     // SAFETY: sysconf has no preconditions.
     let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     if size > 0 {

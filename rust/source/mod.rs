@@ -195,6 +195,23 @@ pub(crate) fn alloc(len: u64, path: &Path) -> Result<MmapMut> {
     MmapMut::map_anon(len).map_err(|e| Error::io(path, "allocate", e))
 }
 
+/// Makes the pages under `buf` present and writable in one call (`MADV_POPULATE_WRITE`,
+/// Linux 5.14), rather than one fault per page as bytes are copied in: the kernel allocates
+/// them in a loop without a trap each. Only whole pages inside `buf` are touched; where the
+/// kernel lacks the call, or the memory is short, nothing is done and the pages fault in as
+/// they are written, as before.
+pub(crate) fn prefault(buf: &mut [u8]) {
+    let page = mmap::page_size();
+    let start = (buf.as_mut_ptr() as usize).next_multiple_of(page);
+    let end = (buf.as_mut_ptr() as usize + buf.len()) / page * page;
+    if end > start {
+        // SAFETY: the range is whole pages inside `buf`, which the caller may write; populating
+        // changes no byte of it (a present page keeps its contents, a new one reads as zero, as
+        // it would have at its first write).
+        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_POPULATE_WRITE) };
+    }
+}
+
 /// How a file will be brought into host memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HostRead {
