@@ -5,26 +5,27 @@ reading the same objects from the same server in the same run: parallel ranged G
 curl (--aws-sigv4), the bytes sent to /dev/null (`curl`: the network alone) or written to
 files in /dev/shm (`curl-shm`: into memory, as a loader must, paying for the pages), boto3
 with a thread pool (bytes read into Python objects), and Run:ai's model streamer (its S3
-backend, as vLLM's `runai_streamer` format uses it). The loaders take turns in a rotated
-order each round, each run in a fresh process; the median of the runs is reported in GB/s
-(1e9 bytes of the files per second).
+backend, as vLLM's `runai_streamer` format uses it). `fastsafetensors_rs-stream` is the same
+load streamed (`stream(url, max_memory="256M")`, each tensor dropped once seen), with its
+peak memory. The loaders take turns in a rotated order each round, each run in a fresh
+process; the median of the runs is reported in GB/s (1e9 bytes of the files per second),
+with the client's CPU seconds per GB beside.
 
-    make bench-remote                                   # 2 GB in 4 files, 5 runs; then with 20 ms RTT
-    .venv/bin/python bench/remote.py --size-gb 0.5 --runs 3
-    .venv/bin/python bench/remote.py --rtt-ms 20         # the same behind 20 ms of round-trip time
+    make bench-remote                                   # 2 GB in 4 files, 5 runs, at 0, 20 and 80 ms
+    .venv/bin/python bench/remote.py --size-gb 0.5 --runs 3 --rtt-ms 0,80
 
-With `--rtt-ms`, the whole run moves into a network namespace of its own (`ip netns`, root
-only) whose loopback delays every packet by half the round-trip time (`tc netem`), once the
-objects are uploaded: server and clients as far apart as two hosts in one region. There, a
-client that waits for one response before the next request (`curl-1stream`) pays the round
-trip on every part, and each TCP stream's window bounds its rate.
+Each round-trip time after 0 puts the project's delaying TCP proxy (tests/python/
+remote_servers.py DelayProxy, in a process of its own) between every client and Garage: each
+byte crosses it half the round-trip time after it arrived, each way, as between two hosts
+in one region (20 ms) or across a continent (80 ms). This kernel has no netem. There, a
+client that waits for one answer before its next request (`curl-1stream`) pays the round
+trip on every part.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import resource
-import secrets
 import os
 import shutil
 import statistics
@@ -33,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -40,16 +42,33 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO / "tests" / "python"))
 
 from bench import ensure_checkpoint  # noqa: E402
-from remote_servers import REGION, Garage, garage_binary  # noqa: E402
+from remote_servers import REGION, Garage, garage_binary, wait_for_port  # noqa: E402
 
 BUCKET = "bench"
 
+# Ours prints a third figure: its peak resident memory above what it held after its imports.
 OURS = """
-import sys, time, fastsafetensors_rs as fst
+import resource, sys, time, fastsafetensors_rs as fst
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
+before = rss()
 start, cpu = time.perf_counter(), time.process_time()
 tensors = fst.load(sys.argv[1])  # every byte is in memory when it returns (nothing is mapped)
-print(time.perf_counter() - start, time.process_time() - cpu)
+print(time.perf_counter() - start, time.process_time() - cpu,
+      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
 """
+OURS_STREAM = """
+import resource, sys, time, fastsafetensors_rs as fst
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
+before = rss()
+start, cpu = time.perf_counter(), time.process_time()
+for name, tensor in fst.stream(sys.argv[1], max_memory=sys.argv[2]):
+    del tensor
+print(time.perf_counter() - start, time.process_time() - cpu,
+      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
+"""
+STREAM_BUDGET = "256M"
 
 BOTO3 = """
 import sys, time, boto3, concurrent.futures as cf
@@ -88,16 +107,17 @@ print(time.perf_counter() - start, time.process_time() - cpu)
 RUNAI_ENV = {"RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"}
 
 
-def curl_config(garage: Garage, keys: list[str], sizes: list[int], part: int, out: Path | None) -> str:
-    """Ranged GETs of every part of every object; the bytes go to /dev/null, or with `out` to
-    one file per part there (a tmpfs: memory, as a loader's are)."""
+def curl_config(server, keys: list[str], sizes: list[int], part: int, out: Path | None) -> str:
+    """Ranged GETs of every part of every object from `server` (its endpoint, key id and
+    secret); the bytes go to /dev/null, or with `out` to one file per part there (a tmpfs:
+    memory, as a loader's are)."""
     lines = []
     for key, size in zip(keys, sizes):
         for a in range(0, size, part):
             b = min(a + part, size) - 1
             dest = "/dev/null" if out is None else str(out / f"{key.replace('/', '_')}.{a}")
-            lines += [f'url = "{garage.endpoint}/{BUCKET}/{key}"', f'range = "{a}-{b}"', f'output = "{dest}"',
-                      f'aws-sigv4 = "aws:amz:{REGION}:s3"', f'user = "{garage.key_id}:{garage.secret}"',
+            lines += [f'url = "{server.endpoint}/{BUCKET}/{key}"', f'range = "{a}-{b}"', f'output = "{dest}"',
+                      f'aws-sigv4 = "aws:amz:{REGION}:s3"', f'user = "{server.key_id}:{server.secret}"',
                       'header = "x-amz-content-sha256: UNSIGNED-PAYLOAD"', "fail", "silent", "next"]
     return "\n".join(lines[:-1]) + "\n"
 
@@ -108,12 +128,15 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run(cmd: list[str], env: dict) -> tuple[float, float]:
-    """A Python client, which times itself after its imports: (wall, CPU) seconds it prints."""
+def run(cmd: list[str], env: dict, peaks: list[float] | None = None) -> tuple[float, float]:
+    """A Python client, which times itself after its imports: (wall, CPU) seconds it prints;
+    a third figure, its peak memory above its imports, goes to `peaks`."""
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"{cmd[:3]} failed: {proc.stderr.strip()[-500:]}")
-    wall, used = proc.stdout.strip().splitlines()[-1].split()
+    wall, used, *peak = proc.stdout.strip().splitlines()[-1].split()
+    if peaks is not None and peak:
+        peaks.append(float(peak[0]))
     return float(wall), float(used)
 
 
@@ -126,6 +149,26 @@ def timed(cmd: list[str], env: dict) -> tuple[float, float]:
     return time.perf_counter() - start, children_cpu() - cpu
 
 
+class Proxy:
+    """The delaying TCP proxy in a process of its own, in front of `upstream` (a port)."""
+
+    def __init__(self, upstream: int, rtt_ms: float, scratch: Path):
+        port_file = scratch / f"proxy-{rtt_ms:g}.port"
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "python" / "remote_servers.py"), "proxy",
+                                      str(upstream), str(rtt_ms), str(port_file)])
+        deadline = time.monotonic() + 30
+        while not port_file.exists() or not port_file.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the delay proxy did not start")
+            time.sleep(0.05)
+        self.port = int(port_file.read_text())
+        wait_for_port(self.port)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size-gb", type=float, default=2.0, help="checkpoint size (GB, 1e9 bytes)")
@@ -135,12 +178,11 @@ def main() -> int:
     ap.add_argument("--part-mb", type=int, default=8, help="MiB per ranged GET of the reference clients")
     ap.add_argument("--dir", type=Path, default=REPO / "bench-data", help="checkpoint cache")
     ap.add_argument("--json", type=Path, help="also write the results to this JSON file")
-    ap.add_argument("--rtt-ms", type=float, default=0.0,
-                    help="added round-trip time (tc netem in a network namespace; root only)")
-    ap.add_argument("--netns", help=argparse.SUPPRESS)  # the namespace this run was moved into
+    ap.add_argument("--rtt-ms", default="0",
+                    help="round-trip times to add, comma-separated (0: straight to the server; others "
+                         "through the delaying proxy)")
     args = ap.parse_args()
-    if args.rtt_ms and not args.netns:
-        return run_in_netns(args)
+    rtts = [float(r) for r in args.rtt_ms.split(",")]
 
     binary = garage_binary()
     if binary is None:
@@ -149,8 +191,7 @@ def main() -> int:
     sizes = [f.stat().st_size for f in files]
     total = sum(sizes)
     keys = [f"ckpt/{f.name}" for f in files]
-    part = args.part_mb << 20
-    loaders = ["fastsafetensors_rs", "curl", "curl-shm", "curl-1stream"]
+    loaders = ["fastsafetensors_rs", "fastsafetensors_rs-stream", "curl", "curl-shm", "curl-1stream"]
     for module, row in (("boto3", "boto3"), ("runai_model_streamer", "runai")):
         try:
             __import__(module)
@@ -158,97 +199,95 @@ def main() -> int:
         except ImportError:
             print(f"{module} is not installed: no {row} row", file=sys.stderr)
 
+    results = {}
     with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
         garage = Garage(binary, Path(scratch))
+        shm = Path(tempfile.mkdtemp(prefix="fst-bench-", dir="/dev/shm"))
         try:
             garage.bucket(BUCKET)
             for f, key in zip(files, keys):
                 garage.put(BUCKET, key, f.read_bytes())
-            env = {**os.environ, **garage.env(), "AWS_DEFAULT_REGION": REGION}
-            cfg = Path(scratch) / "curl.cfg"
-            cfg.write_text(curl_config(garage, keys, sizes, part, None))
-            shm = Path(tempfile.mkdtemp(prefix="fst-bench-", dir="/dev/shm"))
-            cfg_shm = Path(scratch) / "curl-shm.cfg"
-            cfg_shm.write_text(curl_config(garage, keys, sizes, part, shm))
-            if args.netns and not add_delay(args.rtt_ms):
-                return 0
-
-            def curl_shm() -> tuple[float, float]:
-                try:
-                    return timed(["curl", "--parallel", "--parallel-max", str(args.streams), "-K", str(cfg_shm)], env)
-                finally:
-                    for f in shm.iterdir():
-                        f.unlink()
-            commands = {
-                "fastsafetensors_rs": lambda: run([sys.executable, "-c", OURS, f"s3://{BUCKET}/ckpt/"], env),
-                "curl": lambda: timed(["curl", "--parallel", "--parallel-max", str(args.streams), "-K", str(cfg)], env),
-                "curl-1stream": lambda: timed(["curl", "-K", str(cfg)], env),
-                "curl-shm": curl_shm,
-                "boto3": lambda: run([sys.executable, "-c", BOTO3, BUCKET, ",".join(keys), str(args.streams),
-                                      str(part)], env),
-                "runai": lambda: run([sys.executable, "-c", RUNAI, ",".join(f"s3://{BUCKET}/{k}" for k in keys)],
-                                     {**env, **RUNAI_ENV}),
-            }
-            seconds: dict[str, list[float]] = {name: [] for name in loaders}
-            cpu: dict[str, list[float]] = {name: [] for name in loaders}
-            for r in range(args.runs):
-                order = loaders[r % len(loaders):] + loaders[:r % len(loaders)]
-                for name in order:
-                    wall, used = commands[name]()
-                    seconds[name].append(wall)
-                    cpu[name].append(used)
+            for rtt in rtts:
+                results[rtt] = measure(args, garage, Path(scratch), shm, loaders, keys, sizes, rtt)
+                report(args, results[rtt], loaders, files, total, rtt)
         finally:
             garage.stop()
-            if "shm" in locals():
-                shutil.rmtree(shm, ignore_errors=True)
-
-    rate = {name: total / statistics.median(s) / 1e9 for name, s in seconds.items()}
-    rtt = f", {args.rtt_ms:g} ms added round-trip time (netem)" if args.rtt_ms else ""
-    print(f"{len(files)} file(s), {total / 1e9:.2f} GB in Garage on 127.0.0.1{rtt}, median of {args.runs}; "
-          f"references: {args.streams} parallel ranged GETs of {args.part_mb} MiB (curl-1stream: one at a time)")
-    cpu_per_gb = {name: statistics.median(c) / (total / 1e9) for name, c in cpu.items()}
-    print("  (client CPU: user + system seconds per GB of the client process, after its imports; "
-          "the server's own is not counted)")
-    for name in loaders:
-        print(f"  {name:<20} {statistics.median(seconds[name]) * 1e3:9.1f} ms {rate[name]:7.2f} GB/s"
-              f"  client CPU {cpu_per_gb[name]:5.2f} s/GB"
-              + ("" if name == "fastsafetensors_rs" else
-                 f"   (ours {rate['fastsafetensors_rs'] / rate[name]:.2f}x)"))
+            shutil.rmtree(shm, ignore_errors=True)
     if args.json:
-        args.json.write_text(json.dumps({"bytes": total, "seconds": seconds, "cpu_seconds": cpu, "gb_per_s": rate,
-                                         "client_cpu_s_per_gb": cpu_per_gb}, indent=1))
+        args.json.write_text(json.dumps({"bytes": total, "by_rtt_ms": {f"{r:g}": v for r, v in results.items()}},
+                                        indent=1))
     return 0
 
 
-def run_in_netns(args: argparse.Namespace) -> int:
-    """This run again, inside a network namespace made for it (deleted after): `--rtt-ms`
-    delays that namespace's loopback, never the machine's. Where namespaces cannot be made,
-    says why and measures nothing."""
-    name = f"fst-bench-{secrets.token_hex(3)}"
-    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
-    if made.returncode != 0:
-        print(f"{args.rtt_ms:g} ms RTT: not run: cannot make a network namespace "
-              f"(`ip netns add`, root only): {made.stderr.strip() or made.returncode}")
-        return 0
+def measure(args, garage: Garage, scratch: Path, shm: Path, loaders: list[str], keys: list[str], sizes: list[int],
+            rtt: float) -> dict:
+    """Every loader's runs at one round-trip time: seconds, CPU seconds and (ours) peak bytes."""
+    proxy = Proxy(int(garage.endpoint.rsplit(":", 1)[1]), rtt, scratch) if rtt else None
     try:
-        subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
-        return subprocess.run(["ip", "netns", "exec", name, sys.executable, *sys.argv, "--netns", name]).returncode
+        endpoint = f"http://127.0.0.1:{proxy.port}" if proxy else garage.endpoint
+        env = {**os.environ, **garage.env(), "AWS_DEFAULT_REGION": REGION, "AWS_ENDPOINT_URL": endpoint}
+        via = SimpleNamespace(endpoint=endpoint, key_id=garage.key_id, secret=garage.secret)
+        part = args.part_mb << 20
+        cfg = scratch / "curl.cfg"
+        cfg.write_text(curl_config(via, keys, sizes, part, None))
+        cfg_shm = scratch / "curl-shm.cfg"
+        cfg_shm.write_text(curl_config(via, keys, sizes, part, shm))
+
+        def curl_shm() -> tuple[float, float]:
+            try:
+                return timed(["curl", "--parallel", "--parallel-max", str(args.streams), "-K", str(cfg_shm)], env)
+            finally:
+                for f in shm.iterdir():
+                    f.unlink()
+        peaks: dict[str, list[float]] = {"fastsafetensors_rs": [], "fastsafetensors_rs-stream": []}
+        url = f"s3://{BUCKET}/ckpt/"
+        commands = {
+            "fastsafetensors_rs": lambda: run([sys.executable, "-c", OURS, url], env, peaks["fastsafetensors_rs"]),
+            "fastsafetensors_rs-stream": lambda: run([sys.executable, "-c", OURS_STREAM, url, STREAM_BUDGET], env,
+                                                     peaks["fastsafetensors_rs-stream"]),
+            "curl": lambda: timed(["curl", "--parallel", "--parallel-max", str(args.streams), "-K", str(cfg)], env),
+            "curl-1stream": lambda: timed(["curl", "-K", str(cfg)], env),
+            "curl-shm": curl_shm,
+            "boto3": lambda: run([sys.executable, "-c", BOTO3, BUCKET, ",".join(keys), str(args.streams),
+                                  str(part)], env),
+            "runai": lambda: run([sys.executable, "-c", RUNAI, ",".join(f"s3://{BUCKET}/{k}" for k in keys)],
+                                 {**env, **RUNAI_ENV}),
+        }
+        seconds: dict[str, list[float]] = {name: [] for name in loaders}
+        cpu: dict[str, list[float]] = {name: [] for name in loaders}
+        for r in range(args.runs):
+            order = loaders[r % len(loaders):] + loaders[:r % len(loaders)]
+            for name in order:
+                wall, used = commands[name]()
+                seconds[name].append(wall)
+                cpu[name].append(used)
+        return {"seconds": seconds, "cpu_seconds": cpu, "peak_bytes": peaks}
     finally:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        if proxy:
+            proxy.stop()
 
 
-def add_delay(rtt_ms: float) -> bool:
-    """Delays every packet on this namespace's loopback by half of `rtt_ms` (each request and
-    its answer cross it once each way); False, saying why, where netem is missing."""
-    delay = f"{rtt_ms / 2:g}ms"
-    proc = subprocess.run(["tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", delay],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        print(f"{rtt_ms:g} ms RTT: not run: tc netem is not available here "
-              f"(`tc qdisc add dev lo root netem delay {delay}`: {proc.stderr.strip()}); "
-              "the kernel needs sch_netem")
-        return False
-    return True
+def report(args, result: dict, loaders: list[str], files: list[Path], total: int, rtt: float) -> None:
+    seconds, cpu, peaks = result["seconds"], result["cpu_seconds"], result["peak_bytes"]
+    rate = {name: total / statistics.median(s) / 1e9 for name, s in seconds.items()}
+    result["gb_per_s"] = rate
+    result["client_cpu_s_per_gb"] = {name: statistics.median(c) / (total / 1e9) for name, c in cpu.items()}
+    where = f"{rtt:g} ms round-trip time added (delay proxy)" if rtt else "straight to the server"
+    print(f"\n{len(files)} file(s), {total / 1e9:.2f} GB in Garage on 127.0.0.1, {where}, median of {args.runs}; "
+          f"references: {args.streams} parallel ranged GETs of {args.part_mb} MiB (curl-1stream: one at a time)")
+    print("  (client CPU: user + system seconds per GB of the client process, after its imports; "
+          "the server's and the proxy's own are not counted)")
+    ours = rate["fastsafetensors_rs"]
+    for name in loaders:
+        line = (f"  {name:<26} {statistics.median(seconds[name]) * 1e3:9.1f} ms {rate[name]:7.2f} GB/s"
+                f"  client CPU {result['client_cpu_s_per_gb'][name]:5.2f} s/GB")
+        if name in peaks and peaks[name]:
+            line += f"  peak {max(peaks[name]) / 2**20:6.0f} MiB above imports"
+        if name == "fastsafetensors_rs-stream":
+            line += f"   ({rate[name] / ours:.2f}x the bulk load; budget {STREAM_BUDGET})"
+        elif name != "fastsafetensors_rs":
+            line += f"   (ours {ours / rate[name]:.2f}x)"
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

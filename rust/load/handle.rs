@@ -56,11 +56,20 @@ impl OpenFiles {
     /// [`OpenFiles::open`], with `cache_dir` as the cache of the URLs' objects (`None`: the
     /// one `$FASTSAFETENSORS_CACHE_DIR` names, if any).
     pub fn open_cached(paths: &[PathBuf], cache_dir: Option<&Path>) -> Result<OpenFiles> {
-        let mut sources: Vec<Arc<dyn Source>> = Vec::with_capacity(paths.len());
         for path in paths {
             checkpoint::check_single_file(path)?;
-            sources.push(source::open_cached(path, cache_dir)?);
         }
+        let open = |path: &PathBuf| source::open_cached(path, cache_dir);
+        // Opening an object costs a round trip (its first GET): the objects of a checkpoint
+        // are opened at once, not one after another. The first error in file order is the one
+        // returned.
+        let sources = if paths.iter().any(|p| source::remote::is_url(p)) {
+            use rayon::prelude::*;
+            let opened: Vec<Result<_>> = source::io_pool().install(|| paths.par_iter().map(open).collect());
+            opened.into_iter().collect::<Result<Vec<_>>>()?
+        } else {
+            paths.iter().map(open).collect::<Result<Vec<_>>>()?
+        };
         Self::from_sources(sources)
     }
 

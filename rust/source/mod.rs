@@ -20,6 +20,7 @@ pub mod aws_files;
 pub mod budget;
 pub mod cache;
 pub mod direct;
+pub mod in_flight;
 pub mod mmap;
 pub mod remote;
 

@@ -4,8 +4,9 @@
 //! A [`RemoteObject`] is opened with one ranged GET of its first [`SPECULATIVE_HEADER`] bytes:
 //! that fixes its size and version (ETag, and the version id or generation where the store has
 //! one) and usually holds the whole header. Every later read is split into parts of
-//! `$FASTSAFETENSORS_REMOTE_PART_SIZE` bytes fetched by parallel ranged GETs (at most
-//! `$FASTSAFETENSORS_REMOTE_CONCURRENCY` in flight to each server), each conditional on that
+//! `$FASTSAFETENSORS_REMOTE_PART_SIZE` bytes fetched by parallel ranged GETs (as many in flight
+//! to each server as make the reads faster, up to 64, or `$FASTSAFETENSORS_REMOTE_CONCURRENCY`
+//! where it is set: [`super::in_flight`]), each conditional on that
 //! version: an object replaced mid-load fails the load ([`Error::RemoteChanged`]) instead of
 //! mixing two versions' bytes. The parts land straight in the buffer the caller gives (the
 //! page-aligned host buffers, or the pinned staging slots of a device load).
@@ -40,11 +41,11 @@ use object_store::{
     Attribute, BackoffConfig, ClientConfigKey, ClientOptions, GetOptions, ObjectStore, ObjectStoreScheme, RetryConfig,
 };
 use tokio::runtime::Runtime;
-use tokio::sync::Semaphore;
 use url::Url;
 
 use super::aws_files;
 use super::cache::CacheWriter;
+use super::in_flight::InFlight;
 use super::{sampled_fingerprint, Capabilities, Identity, LocalFile, Source};
 use crate::error::{Error, Result};
 use crate::format::{self, Header};
@@ -57,16 +58,16 @@ use crate::source::budget::parse_size;
 pub const SPECULATIVE_HEADER: u64 = 1 << 20;
 /// Environment variable: bytes per ranged GET.
 pub const PART_SIZE_ENV: &str = "FASTSAFETENSORS_REMOTE_PART_SIZE";
-/// Environment variable: ranged GETs in flight at once to one server (host and port).
+/// Environment variable: ranged GETs in flight at once to one server (host and port); unset,
+/// the number is found while reading ([`super::in_flight`]).
 pub const CONCURRENCY_ENV: &str = "FASTSAFETENSORS_REMOTE_CONCURRENCY";
 /// Environment variable: seconds one request may take (connecting, and each part's transfer).
 pub const TIMEOUT_ENV: &str = "FASTSAFETENSORS_REMOTE_TIMEOUT";
 /// Environment variable: how many times a failed request is retried.
 pub const RETRIES_ENV: &str = "FASTSAFETENSORS_REMOTE_RETRIES";
-/// 8 MiB parts, 16 at once: what parallel curl needs to saturate a local S3 server (1.1 GB/s
-/// with 4-16 streams of 8 MiB ranges, measured on the development VM).
+/// 8 MiB parts: what parallel curl needs to saturate a local S3 server (1.1 GB/s with 4-16
+/// streams of 8 MiB ranges, measured on the development VM).
 const DEFAULT_PART_SIZE: u64 = 8 << 20;
-const DEFAULT_CONCURRENCY: usize = 16;
 const DEFAULT_TIMEOUT_S: u64 = 30;
 const DEFAULT_RETRIES: usize = 10;
 /// Retries of one request stop this long after it was first sent.
@@ -85,7 +86,8 @@ const SCHEMES: &[&str] = &["s3", "s3a", "gs", "az", "adl", "azure", "abfs", "abf
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RemoteSettings {
     pub part_size: u64,
-    pub concurrency: usize,
+    /// GETs in flight to one server, if pinned.
+    pub concurrency: Option<usize>,
     pub timeout: Duration,
     pub retries: usize,
 }
@@ -97,8 +99,7 @@ impl RemoteSettings {
         let count = |lo: usize, hi: usize| move |v: &str| v.parse::<usize>().ok().filter(|n| (lo..=hi).contains(n));
         Ok(RemoteSettings {
             part_size: setting(PART_SIZE_ENV, "a size from 64K to 1G (e.g. 8M)", part)?.unwrap_or(DEFAULT_PART_SIZE),
-            concurrency: setting(CONCURRENCY_ENV, "a whole number from 1 to 1024", count(1, 1024))?
-                .unwrap_or(DEFAULT_CONCURRENCY),
+            concurrency: setting(CONCURRENCY_ENV, "a whole number from 1 to 1024", count(1, 1024))?,
             timeout: Duration::from_secs(
                 setting(TIMEOUT_ENV, "a whole number of seconds from 1 to 3600", |v| {
                     v.parse::<u64>().ok().filter(|n| (1..=3600).contains(n))
@@ -153,13 +154,20 @@ fn block_on<T>(fut: impl Future<Output = Result<T>>) -> Result<T> {
     runtime()?.block_on(fut)
 }
 
-/// The limit on GETs in flight to the server at `host` (`scheme://authority`), sized by the
-/// settings when the host is first read. One per host, so that a server that stalls holds
+/// The GETs in flight to the server at `host` (`scheme://authority`): pinned by the settings,
+/// or found while reading. One per host (and pinned number), so that a server that stalls holds
 /// only its own requests' slots: loads from other servers go on.
-fn in_flight(host: &str, concurrency: usize) -> Arc<Semaphore> {
-    static LIMITS: OnceLock<Mutex<HashMap<String, Arc<Semaphore>>>> = OnceLock::new();
+fn in_flight(host: &str, pinned: Option<usize>) -> Arc<InFlight> {
+    type Servers = HashMap<(String, Option<usize>), Arc<InFlight>>;
+    static LIMITS: OnceLock<Mutex<Servers>> = OnceLock::new();
     let mut limits = LIMITS.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
-    Arc::clone(limits.entry(host.to_owned()).or_insert_with(|| Arc::new(Semaphore::new(concurrency))))
+    let limit = limits.entry((host.to_owned(), pinned)).or_insert_with(|| {
+        Arc::new(match pinned {
+            Some(n) => InFlight::pinned(n),
+            None => InFlight::adaptive(),
+        })
+    });
+    Arc::clone(limit)
 }
 
 /// One object: the store that serves it and its path there.
@@ -169,7 +177,7 @@ struct Location {
     store: Arc<dyn ObjectStore>,
     path: ObjectPath,
     /// The GETs in flight to its server.
-    limit: Arc<Semaphore>,
+    limit: Arc<InFlight>,
 }
 
 /// The store for `url` and the object's path in it. Stores are kept per bucket (or host) so
@@ -471,7 +479,7 @@ impl RemoteObject {
 
     /// Fetches `dst.len()` bytes from `start` with one GET on the opened version.
     async fn get_into(&self, start: u64, dst: &mut [u8]) -> Result<()> {
-        let _permit = self.at.limit.acquire().await.expect("the semaphore is never closed");
+        let _slot = self.at.limit.slot().await;
         // The pages this GET fills are made in one call now, while its request is on its way,
         // rather than one fault per page under the copy (a quarter less CPU per GB).
         source::prefault(dst);
@@ -521,7 +529,10 @@ impl RemoteObject {
                 None if done < dst.len() => {
                     return Err(short_answer(&self.at.url, start, dst.len() as u64, done as u64))
                 }
-                None => return Ok(()),
+                None => {
+                    self.at.limit.landed(done as u64);
+                    return Ok(());
+                }
             }
         }
     }

@@ -4,7 +4,9 @@ HTTP proxy that injects faults (503s, slow responses) between the loader and eit
 and a TCP proxy that adds round-trip time and a bandwidth cap (DelayProxy). Nothing here reaches beyond the loopback interface.
 
 `python remote_servers.py serve DIR PORT_FILE [DELAY_S]` runs the file server in its own
-process (so that a test can kill it mid-transfer); it writes its port to PORT_FILE."""
+process (so that a test can kill it mid-transfer); it writes its port to PORT_FILE.
+`python remote_servers.py proxy UPSTREAM_PORT RTT_MS PORT_FILE` runs a DelayProxy in its own
+process (the bench's, so that its threads share no interpreter lock with the clients)."""
 
 from __future__ import annotations
 
@@ -585,8 +587,18 @@ def _serve_main(argv: list[str]) -> None:
             time.sleep(3600)
 
 
+def _proxy_main(argv: list[str]) -> None:
+    upstream, rtt_ms, port_file = int(argv[0]), float(argv[1]), Path(argv[2])
+    with DelayProxy(upstream, delay=rtt_ms / 2000) as proxy:
+        port_file.write_text(str(proxy.port))
+        while True:
+            time.sleep(3600)
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "serve":
         _serve_main(sys.argv[2:])
+    elif len(sys.argv) > 1 and sys.argv[1] == "proxy":
+        _proxy_main(sys.argv[2:])
     else:
         sys.exit(__doc__)

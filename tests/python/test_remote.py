@@ -726,9 +726,9 @@ def test_a_stalled_server_holds_up_only_its_own_loads(local_models, monkeypatch)
             t = threading.Thread(target=stall)
             t.start()
             deadline = time.monotonic() + 5
-            while len(stalled.requests) < 17 and time.monotonic() < deadline:  # the open, then 16 parts
+            while len(stalled.requests) < 9 and time.monotonic() < deadline:  # the open, then the first 8 parts in flight
                 time.sleep(0.05)
-            assert len(stalled.requests) >= 17, stalled.requests
+            assert len(stalled.requests) >= 9, stalled.requests
             start = time.monotonic()
             U.assert_same_dict(fst.load_file(f"{healthy.url}/flat/a.safetensors"), ref)
             took = time.monotonic() - start
