@@ -105,7 +105,7 @@ test-python: build tf4 garage
 
 # Only the remote-source tests (S3 through Garage, HTTP ranges, faults).
 test-remote: build garage
-	FST_GARAGE=$(abspath $(GARAGE)) FASTSAFETENSORS_TEST_INSTALLED=1 $(PY) -m pytest tests/python/test_remote.py tests/python/test_remote_redirects.py tests/python/test_remote_rtt.py -q
+	FST_GARAGE=$(abspath $(GARAGE)) FASTSAFETENSORS_TEST_INSTALLED=1 $(PY) -m pytest tests/python/test_remote.py tests/python/test_remote_redirects.py tests/python/test_remote_rtt.py tests/python/test_remote_receive.py -q
 
 # Garage, the S3 server the remote-source tests start on 127.0.0.1: a test dependency built
 # from crates.io into build/garage (about 7 minutes on 2 cores, once), never linked or shipped.

@@ -181,6 +181,10 @@ def main() -> int:
     ap.add_argument("--rtt-ms", default="0",
                     help="round-trip times to add, comma-separated (0: straight to the server; others "
                          "through the delaying proxy)")
+    ap.add_argument("--before", type=Path,
+                    help="a directory where an earlier build of the package is installed (pip install --target): "
+                         "its load gets a row of its own, for before/after figures from one run")
+    ap.add_argument("--before-name", default="before", help="what that row is called")
     args = ap.parse_args()
     rtts = [float(r) for r in args.rtt_ms.split(",")]
 
@@ -192,6 +196,8 @@ def main() -> int:
     total = sum(sizes)
     keys = [f"ckpt/{f.name}" for f in files]
     loaders = ["fastsafetensors_rs", "fastsafetensors_rs-stream", "curl", "curl-shm", "curl-1stream"]
+    if args.before:
+        loaders.insert(1, f"fastsafetensors_rs ({args.before_name})")
     for module, row in (("boto3", "boto3"), ("runai_model_streamer", "runai")):
         try:
             __import__(module)
@@ -253,6 +259,12 @@ def measure(args, garage: Garage, scratch: Path, shm: Path, loaders: list[str], 
             "runai": lambda: run([sys.executable, "-c", RUNAI, ",".join(f"s3://{BUCKET}/{k}" for k in keys)],
                                  {**env, **RUNAI_ENV}),
         }
+        if args.before:
+            before = f"fastsafetensors_rs ({args.before_name})"
+            peaks[before] = []
+            path = os.pathsep.join(filter(None, [str(args.before.resolve()), env.get("PYTHONPATH")]))
+            commands[before] = lambda: run([sys.executable, "-c", OURS, url], {**env, "PYTHONPATH": path},
+                                           peaks[before])
         seconds: dict[str, list[float]] = {name: [] for name in loaders}
         cpu: dict[str, list[float]] = {name: [] for name in loaders}
         for r in range(args.runs):

@@ -641,14 +641,19 @@ impl Source for RemoteObject {
             return Ok(0);
         }
         let n = (end - offset) as usize;
-        if end <= self.prefix.len() as u64 {
-            buf[..n].copy_from_slice(&self.prefix[offset as usize..end as usize]);
+        // What the opening GET brought is not asked for again.
+        let held = (self.prefix.len() as u64).clamp(offset, end) - offset;
+        if held > 0 {
+            buf[..held as usize].copy_from_slice(&self.prefix[offset as usize..(offset + held) as usize]);
+        }
+        if held == n as u64 {
             return Ok(n);
         }
+        let (offset, rest) = (offset + held, &mut buf[held as usize..n]);
         let part = self.settings.part_size as usize;
         let rt = runtime()?;
         let mut tasks = PartTasks(Vec::new());
-        for (i, dst) in buf[..n].chunks_mut(part).enumerate() {
+        for (i, dst) in rest.chunks_mut(part).enumerate() {
             let part = Part { object: self, start: offset + (i * part) as u64, dst: dst.as_mut_ptr(), len: dst.len() };
             // SAFETY: `tasks` is dropped (which waits until every task has stopped) before this
             // function returns or unwinds, so `self` and `buf` outlive each task's use of them;

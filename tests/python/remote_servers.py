@@ -179,11 +179,16 @@ class _FileHandler(BaseHTTPRequestHandler):
         self.end_headers()
         if not body:
             return
+        pieces = self.server.write_sizes
+        if pieces:
+            # Each piece its own segment, so that the client's reads end at odd places.
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with open(path, "rb") as f:
             f.seek(start)
-            left = end - start
+            left, k = end - start, 0
             while left:
-                chunk = f.read(min(left, 1 << 20))
+                chunk = f.read(min(left, pieces[k % len(pieces)] if pieces else 1 << 20))
+                k += 1
                 if not chunk:
                     break
                 if self.server.delay and start >= self.server.delay_from:
@@ -245,6 +250,8 @@ class FileServer(_LoopbackServer):
         # body it sends (then closes the connection).
         self.whole_body = False
         self.length_error = 0
+        # Bodies written in pieces of these sizes in turn (each sent at once), not 1 MiB writes.
+        self.write_sizes: list[int] = []
         self.headers_seen: list = []  # every request's headers, as a dict (names Title-Cased)
         self.sent = 0
         self.requests: list = []
