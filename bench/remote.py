@@ -47,24 +47,18 @@ from remote_servers import REGION, Garage, garage_binary, wait_for_port  # noqa:
 BUCKET = "bench"
 
 # Ours prints a third figure: its peak resident memory above what it held after its imports.
+# With a budget (argv[2]) it streams, each tensor dropped once seen; without, it loads all.
 OURS = """
 import resource, sys, time, fastsafetensors_rs as fst
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
 before = rss()
 start, cpu = time.perf_counter(), time.process_time()
-tensors = fst.load(sys.argv[1])  # every byte is in memory when it returns (nothing is mapped)
-print(time.perf_counter() - start, time.process_time() - cpu,
-      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
-"""
-OURS_STREAM = """
-import resource, sys, time, fastsafetensors_rs as fst
-def rss():
-    return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
-before = rss()
-start, cpu = time.perf_counter(), time.process_time()
-for name, tensor in fst.stream(sys.argv[1], max_memory=sys.argv[2]):
-    del tensor
+if len(sys.argv) > 2:
+    for name, tensor in fst.stream(sys.argv[1], max_memory=sys.argv[2]):
+        del tensor
+else:
+    tensors = fst.load(sys.argv[1])  # every byte is in memory when it returns (nothing is mapped)
 print(time.perf_counter() - start, time.process_time() - cpu,
       resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
 """
@@ -249,7 +243,7 @@ def measure(args, garage: Garage, scratch: Path, shm: Path, loaders: list[str], 
         url = f"s3://{BUCKET}/ckpt/"
         commands = {
             "fastsafetensors_rs": lambda: run([sys.executable, "-c", OURS, url], env, peaks["fastsafetensors_rs"]),
-            "fastsafetensors_rs-stream": lambda: run([sys.executable, "-c", OURS_STREAM, url, STREAM_BUDGET], env,
+            "fastsafetensors_rs-stream": lambda: run([sys.executable, "-c", OURS, url, STREAM_BUDGET], env,
                                                      peaks["fastsafetensors_rs-stream"]),
             "curl": lambda: timed(["curl", "--parallel", "--parallel-max", str(args.streams), "-K", str(cfg)], env),
             "curl-1stream": lambda: timed(["curl", "-K", str(cfg)], env),
