@@ -137,6 +137,13 @@ pub enum Error {
     /// A load that reads part of a file cannot check a digest of the whole file.
     #[error("{}: {manifest} has a digest of the whole file, but this load reads only part of it: pass full=True to the Signature or Digests (or verify=\"full\" for verify=True) to read the rest and check it, or load the whole file", .path.display())]
     PartialVerify { path: PathBuf, manifest: String },
+    /// Bytes under a digest were read only in part (or the header's were not read), so the
+    /// digest could not be checked.
+    #[error("{}: bytes {start}..{end} have one digest in {manifest}, and this load read them only in part: it checks every digest covering the bytes it hands out and the header", .path.display())]
+    UncheckedBytes { path: PathBuf, start: u64, end: u64, manifest: String },
+    /// Bytes that landed twice (two reads sharing a page) are not the same in both copies.
+    #[error("{}: bytes {start}..{end} were read twice and the copies {why}", .path.display())]
+    CopiesDiffer { path: PathBuf, start: u64, end: u64, why: String },
     /// A tensor handed to a save that safetensors cannot store as it is.
     #[error("tensor '{name}' cannot be saved: {why}")]
     SaveRefused { name: String, why: String },

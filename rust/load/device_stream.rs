@@ -65,7 +65,7 @@ impl DeviceStream {
         let checks = planned.checks.clone();
         let (sources, groups) = stream::plan_groups(planned, options);
         stream::check_coverage(&checks, &groups)?;
-        let how = load::choose_reads(&sources, groups.iter().map(|(e, _)| e), options.reader, false)?;
+        let how = load::choose_reads(&sources, groups.iter().map(|(e, _)| e), options.reader, false, false)?;
         let readers = sources
             .into_iter()
             .zip(how)

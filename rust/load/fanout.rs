@@ -29,6 +29,9 @@ impl Planned {
         }
         let policy = ExtentPolicy { max_len, ..ExtentPolicy::default() };
         let extents = plan::plan_extents(&self.tensors, &self.file_lens(), &policy);
+        // A verified load reads what its checks need: whole files, or whole shards and the
+        // header's, as a load of one process does.
+        let extents = self.checks.widen(extents, &self.tensors, &self.file_lens())?;
         Ok(fanout::share(extents, world, chunk))
     }
 

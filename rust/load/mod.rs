@@ -260,28 +260,25 @@ impl Planned {
         let policy = ExtentPolicy { max_gap: options.max_gap, ..ExtentPolicy::default() };
         let extents = plan::plan_extents(&self.tensors, &self.file_lens(), &policy);
         let extents = self.checks.widen(extents, &self.tensors, &self.file_lens())?;
-        let how = choose_reads(&self.sources, &extents, options.reader, true)?;
+        let verified = !self.checks.files.is_empty();
+        let how = choose_reads(&self.sources, &extents, options.reader, true, verified)?;
         let readers = self
             .sources
             .iter()
             .zip(&how)
-            .map(|(src, &h)| (h == HostRead::Direct).then(|| BlockReader::open(Arc::clone(src), true)).transpose())
+            .map(|(src, &h)| {
+                h.owns_memory().then(|| BlockReader::open(Arc::clone(src), h == HostRead::Direct)).transpose()
+            })
             .collect::<Result<Vec<_>>>()?;
         let read = |e: &Extent| -> Result<Arc<HostBuffer>> {
-            let check = self.checks.file(e.file);
-            let buffer = match (&readers[e.file], how[e.file]) {
-                (Some(reader), _) => direct::read_extent(reader, e, options.block, check)?,
+            match (&readers[e.file], how[e.file]) {
+                (Some(reader), _) => direct::read_extent(reader, e, options.block, self.checks.file(e.file)),
                 (None, h) => {
+                    debug_assert!(!verified, "a verified load reads into its own memory");
                     let path = if h == HostRead::MapOverLimit { ReadPath::MmapFallback } else { ReadPath::Mmap };
-                    let map = source::map_extent(&*self.sources[e.file], e, path)?;
-                    if let Some(check) = check {
-                        // SAFETY: the mapping lives until the load returns, after the checks.
-                        unsafe { check.landed(e.start, &map.as_slice()[..e.expected as usize]) };
-                    }
-                    map
+                    Ok(Arc::new(source::map_extent(&*self.sources[e.file], e, path)?))
                 }
-            };
-            Ok(Arc::new(buffer))
+            }
         };
         // A warm load maps its files without touching them, on the caller's thread; a verified
         // one hashes every page, so it runs on the pool, files in parallel.
@@ -290,9 +287,11 @@ impl Planned {
         } else {
             source::io_pool().install(|| extents.par_iter().map(read).collect::<Result<Vec<_>>>())
         }?;
+        // How each file was read: a reader says so once its reads are done (a direct read
+        // refused by the filesystem falls back to the page cache).
         let mut paths = vec![ReadPath::NotRead; self.sources.len()];
         for (e, b) in extents.iter().zip(&buffers) {
-            paths[e.file] = b.read_path();
+            paths[e.file] = readers[e.file].as_ref().map_or(b.read_path(), BlockReader::path);
         }
         for (src, &path) in self.sources.iter().zip(&paths) {
             if path != ReadPath::NotRead {
@@ -479,13 +478,16 @@ pub fn release_staging_buffers() -> usize {
 }
 
 /// How each file is brought into host memory to read `extents` of it: a file with nothing to
-/// read is not looked at. When the caller keeps everything it reads (`keeps_all`), direct
-/// reads that would not fit in host memory are made mappings ([`map_what_does_not_fit`]).
+/// read is not looked at. A verified load (`verified`) reads every file into memory of its
+/// own, through the page cache where it would have mapped it. When the caller keeps
+/// everything it reads (`keeps_all`), direct reads that would not fit in host memory are made
+/// mappings ([`map_what_does_not_fit`]), but for a verified load, which fails instead.
 pub(crate) fn choose_reads<'a>(
     sources: &[Arc<dyn Source>],
     extents: impl IntoIterator<Item = &'a Extent>,
     reader: ReaderKind,
     keeps_all: bool,
+    verified: bool,
 ) -> Result<Vec<HostRead>> {
     let mut wanted = vec![0u64; sources.len()];
     for e in extents {
@@ -493,9 +495,16 @@ pub(crate) fn choose_reads<'a>(
     }
     let mut how = Vec::with_capacity(sources.len());
     for (src, &bytes) in sources.iter().zip(&wanted) {
-        how.push(if bytes == 0 { HostRead::Map } else { source::choose(&**src, reader)? });
+        how.push(match (bytes, source::choose(&**src, reader)?) {
+            (0, _) => HostRead::Map,
+            (_, HostRead::Direct) => HostRead::Direct,
+            (_, _) if verified => HostRead::Buffered,
+            (_, h) => h,
+        });
     }
-    if keeps_all {
+    if keeps_all && verified {
+        budget::check(wanted.iter().sum())?;
+    } else if keeps_all {
         let mappable: Vec<bool> = sources.iter().map(|s| s.local().is_some() && s.capabilities().mmap).collect();
         map_what_does_not_fit(&mut how, &wanted, &mappable, reader)?;
     }

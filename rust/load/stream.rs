@@ -42,7 +42,7 @@ use std::thread::JoinHandle;
 
 use super::Checks;
 use crate::error::{Error, Result};
-use crate::source::direct::{self, BlockReader};
+use crate::source::direct::{self, BlockReader, FillTarget};
 use memmap2::MmapMut;
 
 use crate::load::{self, Planned};
@@ -177,12 +177,14 @@ impl TensorStream {
         check_coverage(&checks, &groups)?;
         // Without a budget the caller keeps everything, as a load that returns it all does.
         let keeps_all = options.budget == u64::MAX;
-        let how = load::choose_reads(&sources, groups.iter().map(|(e, _)| e), options.reader, keeps_all)?;
-        // A reader for each file read directly; files mapped (or with nothing selected) have none.
+        let verified = !checks.files.is_empty();
+        let how = load::choose_reads(&sources, groups.iter().map(|(e, _)| e), options.reader, keeps_all, verified)?;
+        // A reader for each file read into the stream's memory; files mapped (or with nothing
+        // selected) have none.
         let mut readers = vec![None; sources.len()];
         for (i, src) in sources.iter().enumerate() {
-            if how[i] == HostRead::Direct {
-                readers[i] = Some(Arc::new(BlockReader::open(Arc::clone(src), true)?));
+            if how[i].owns_memory() {
+                readers[i] = Some(Arc::new(BlockReader::open(Arc::clone(src), how[i] == HostRead::Direct)?));
             }
         }
         let shared = Arc::new(Shared::new(options.budget, plan::align_up(options.group, IO_ALIGN)));
@@ -529,25 +531,6 @@ impl Completion {
     }
 }
 
-/// Where the reads of one group write: its buffer's first byte.
-#[derive(Clone, Copy)]
-struct FillTarget(*mut u8);
-
-impl FillTarget {
-    /// `len` bytes from `at`.
-    ///
-    /// # Safety
-    /// `[at, at + len)` must lie inside the buffer, which must outlive the slice, and no other
-    /// slice of those bytes may exist meanwhile.
-    unsafe fn slice(self, at: usize, len: usize) -> &'static mut [u8] {
-        std::slice::from_raw_parts_mut(self.0.add(at), len)
-    }
-}
-
-// SAFETY: each read writes its own disjoint range of the buffer, which stays alive (each read
-// holds a reference on it) and is not read until every write has completed (`Completion`).
-unsafe impl Send for FillTarget {}
-
 /// The scheduler's work: the groups in order, and how to read each file.
 struct Schedule {
     shared: Arc<Shared>,
@@ -647,7 +630,7 @@ impl Schedule {
             None => direct::alloc_for_reads(buffer_len, src.path())?,
         };
         let target = FillTarget(map.as_mut_ptr());
-        let group = group(HostBuffer::new(map, ReadPath::Direct), ReadPath::Direct);
+        let group = group(HostBuffer::new(map, reader.path()), reader.path());
         let reads = Arc::new(Completion::new(blocks.len()));
         self.shared.update(|s| s.tasks += blocks.len());
         for b in blocks {

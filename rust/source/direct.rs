@@ -19,33 +19,60 @@ use crate::verify::FileCheck;
 
 /// Reads `extent` of the reader's source into fresh page-aligned memory, `block` bytes per
 /// request, in parallel on the I/O pool. With a `check` (a verified load), each block is
-/// reported to it as it lands; the buffer returned must then live until the check finishes.
-pub fn read_extent(reader: &BlockReader, extent: &Extent, block: u64, check: Option<&FileCheck>) -> Result<HostBuffer> {
+/// reported to it as it lands, and the check holds a reference on the buffer until it has
+/// hashed them: a read that fails cannot free bytes the check has yet to hash.
+pub fn read_extent(
+    reader: &BlockReader,
+    extent: &Extent,
+    block: u64,
+    check: Option<&FileCheck>,
+) -> Result<Arc<HostBuffer>> {
     let block = plan::io_block(block);
     let mut map = alloc_for_reads(extent.len, reader.src.path())?;
-    // SAFETY (both `landed` calls): the bytes are in `map`, which becomes the buffer returned;
-    // the caller keeps it until the check is finished.
-    if reader.src.splits_reads() {
+    let target = FillTarget(map.as_mut_ptr());
+    let buffer = Arc::new(HostBuffer::new(map, reader.path()));
+    let blocks = if reader.src.splits_reads() {
         // One read of the whole extent: the source runs its own parallel requests.
-        let b = ReadBlock { offset: extent.start, len: extent.len, expected: extent.expected };
-        reader.read(&b, &mut map)?;
+        vec![ReadBlock { offset: extent.start, len: extent.len, expected: extent.expected }]
+    } else {
+        extent.blocks(reader.src.len(), IO_ALIGN, block)
+    };
+    let read = |b: &ReadBlock| -> Result<()> {
+        let at = (b.offset - extent.start) as usize;
+        // SAFETY: the extent's blocks are disjoint and lie inside the buffer, which outlives
+        // this call; nothing reads these bytes before they are written.
+        reader.read(b, unsafe { target.slice(at, b.len as usize) })?;
         if let Some(check) = check {
-            unsafe { check.landed(b.offset, &map[..b.expected as usize]) };
+            check.landed_in(b.offset, &buffer, at, b.expected as usize);
         }
-        return Ok(HostBuffer::new(map, reader.path()));
+        Ok(())
+    };
+    match &blocks[..] {
+        [b] => read(b)?,
+        _ => io_pool().install(|| blocks.par_iter().try_for_each(read))?,
     }
-    let blocks = extent.blocks(reader.src.len(), IO_ALIGN, block);
-    io_pool().install(|| {
-        blocks.par_iter().zip(map.par_chunks_mut(block as usize)).try_for_each(|(b, dst)| {
-            reader.read(b, dst)?;
-            if let Some(check) = check {
-                unsafe { check.landed(b.offset, &dst[..b.expected as usize]) };
-            }
-            Ok(())
-        })
-    })?;
-    Ok(HostBuffer::new(map, reader.path()))
+    Ok(buffer)
 }
+
+/// Where reads write into a buffer being filled: each read its own disjoint range.
+#[derive(Clone, Copy)]
+pub(crate) struct FillTarget(pub(crate) *mut u8);
+
+impl FillTarget {
+    /// `len` bytes from `at`.
+    ///
+    /// # Safety
+    /// `[at, at + len)` must lie inside the buffer, which must outlive the slice, and no other
+    /// slice of those bytes may exist meanwhile.
+    pub(crate) unsafe fn slice<'a>(self, at: usize, len: usize) -> &'a mut [u8] {
+        std::slice::from_raw_parts_mut(self.0.add(at), len)
+    }
+}
+
+// SAFETY: each read writes its own disjoint range of the buffer, which stays alive for as
+// long as the reads (their callers hold a reference on it or wait for them).
+unsafe impl Send for FillTarget {}
+unsafe impl Sync for FillTarget {}
 
 /// Memory for `len` bytes of reads. Small pages: transparent huge pages make faulting in
 /// cheaper only while the kernel has free 2 MiB blocks at hand; otherwise each one waits for

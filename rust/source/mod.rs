@@ -222,6 +222,17 @@ pub enum HostRead {
     MapOverLimit,
     /// Direct reads into memory allocated for each extent.
     Direct,
+    /// Reads through the page cache into memory allocated for each extent: a verified load of
+    /// a file in the page cache, whose tensors must be the bytes it hashed, in memory nobody
+    /// else can write (a mapping of the file changes when the file is written).
+    Buffered,
+}
+
+impl HostRead {
+    /// Whether the load reads into memory of its own (rather than mapping the file).
+    pub fn owns_memory(self) -> bool {
+        matches!(self, HostRead::Direct | HostRead::Buffered)
+    }
 }
 
 /// Pages of the data a [`Source::fingerprint`] samples: one per MiB of data, from 4 to 64

@@ -2,8 +2,15 @@
 //! and are hashed in file order by whichever reader completes the next bytes, while the other
 //! readers go on reading. Files (and a sharded manifest's shards) are checked independently,
 //! so they hash in parallel.
+//!
+//! Bytes that land twice (two extents or two stream groups sharing a page) are hashed once and
+//! the other copy is compared with the bytes hashed: whichever copy a tensor is handed out
+//! from holds the bytes the digest covers. The header is part of every check: a load of any
+//! of a file's data must check the digests that cover `[0, data start)`, since the header
+//! places every tensor.
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -58,7 +65,8 @@ impl Verifier {
         let Some((_, expected)) = self.manifest.entry_for(&shown) else {
             return Err(Error::NotInManifest { path: path.to_owned(), manifest: self.manifest.origin.clone() });
         };
-        let check = FileCheck::new(path, header.file_len(), expected, &self.manifest.origin)?;
+        let mut check = FileCheck::new(path, header.file_len(), expected, &self.manifest.origin)?;
+        check.header_end = header.data_start;
         let mut head = (header.data_start - LEN_PREFIX).to_le_bytes().to_vec();
         head.extend_from_slice(&header.json);
         check.landed_transient(0, &head);
@@ -75,6 +83,9 @@ pub struct FileCheck {
     /// The whole file (a file-level manifest) or its shards, in order.
     segments: Vec<Segment>,
     whole: bool,
+    /// Where the header ends: bytes below are the header parsed (and hashed as parsed), which
+    /// no tensor is handed out from, so their later copies are not compared.
+    header_end: u64,
     failed: AtomicBool,
 }
 
@@ -91,9 +102,15 @@ struct State {
     claimed: u64,
     /// Bytes below this are hashed.
     hashed: u64,
-    /// Blocks landed past `claimed`, by (start, end).
-    pending: BTreeMap<(u64, u64), Block>,
+    /// Blocks landed and not yet hashed or compared, by (start, end, arrival).
+    pending: BTreeMap<(u64, u64, u64), Block>,
+    arrivals: u64,
     hasher: Option<Hasher>,
+    /// The last bytes hashed (up to [`TAIL`], ending at `hashed`): what a later copy of them is
+    /// compared with. Taken with the hasher by the reader hashing.
+    tail: Option<Vec<u8>>,
+    /// The first bytes that landed twice and differ (or could not be compared), and why.
+    conflict: Option<(Range<u64>, &'static str)>,
     /// A reader is hashing (others only queue their blocks).
     hashing: bool,
     /// Whether any of the data was read.
@@ -101,6 +118,11 @@ struct State {
     /// Set once every byte is hashed: the digest, if it is not the one expected.
     outcome: Option<std::result::Result<(), Digest>>,
 }
+
+/// Bytes kept of what was hashed last, to compare a second copy with. Copies overlap by less
+/// than a page (extents and stream groups share at most the page where one ends and the next
+/// begins); this leaves room for alignments up to 64 KiB.
+const TAIL: usize = 64 << 10;
 
 /// How a reader's bytes outlive its call, where they must wait for earlier ones.
 #[derive(Clone, Copy)]
@@ -146,7 +168,10 @@ impl FileCheck {
                 claimed: start,
                 hashed: start,
                 pending: BTreeMap::new(),
+                arrivals: 0,
                 hasher: Some(expected.algorithm.hasher()),
+                tail: Some(Vec::new()),
+                conflict: None,
                 hashing: false,
                 touched: false,
                 outcome: None,
@@ -175,6 +200,7 @@ impl FileCheck {
             origin: origin.to_owned(),
             segments,
             whole,
+            header_end: 0,
             failed: AtomicBool::new(false),
         })
     }
@@ -230,82 +256,99 @@ impl FileCheck {
         }
     }
 
-    /// Queues a block and hashes what is contiguous, unless another reader is: returns
-    /// whether the segment's digest turned out wrong.
+    /// Queues a block and hashes (or compares) what is contiguous, unless another reader is:
+    /// returns whether the segment turned out wrong.
     fn feed_segment(&self, seg: &Segment, start: u64, part: &[u8], keep: Option<Keep>) -> bool {
         let end = start + part.len() as u64;
         let transient = matches!(keep, Some(Keep::Copy));
         let mut st = seg.lock();
         st.touched = true;
-        if end <= st.claimed || part.is_empty() {
+        if part.is_empty() {
             return false;
         }
         let block = match keep {
             Some(Keep::Buffer(buffer)) => Block::Kept(Arc::clone(buffer), part.as_ptr(), part.len()),
             _ => Block::Borrowed(part.as_ptr(), part.len()),
         };
-        st.pending.insert((start, end), block);
-        if st.hashing {
-            if !transient {
-                return false;
-            }
-            if start <= st.claimed {
-                // The reader hashing will reach it next: the bytes must stay until it has.
-                while st.hashed < end && st.hashing {
-                    st = seg.progress.wait(st).unwrap_or_else(|e| e.into_inner());
-                }
-                if st.hashed >= end {
-                    return false;
-                }
-            }
-        } else {
+        let key = (start, end, st.arrivals);
+        st.arrivals += 1;
+        st.pending.insert(key, block);
+        if !st.hashing {
             st.hashing = true;
             st = self.hash_contiguous(seg, st);
+        } else if transient && start <= st.claimed {
+            // The reader hashing will reach it next: the bytes must stay until it has.
+            while st.pending.contains_key(&key) && st.hashing {
+                st = seg.progress.wait(st).unwrap_or_else(|e| e.into_inner());
+            }
         }
         if transient {
-            if let Some(b) = st.pending.get_mut(&(start, end)) {
+            if let Some(b) = st.pending.get_mut(&key) {
                 *b = Block::Owned(part.to_vec());
             }
         }
-        matches!(st.outcome, Some(Err(_)))
+        matches!(st.outcome, Some(Err(_))) || st.conflict.is_some()
     }
 
     /// Hashes the landed blocks that continue the hashed bytes, the lock released while it
-    /// does, until a gap or the end; then lets others hash again.
+    /// does, until a gap or the end; then lets others hash again. The part of a block below
+    /// the bytes already claimed is a second copy: it is compared with the copy hashed.
     fn hash_contiguous<'a>(&self, seg: &'a Segment, mut st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
         loop {
             let mut run = Vec::new();
+            let from = st.claimed;
             let st_ref = &mut *st;
             while let Some(entry) = st_ref.pending.first_entry() {
-                let (start, end) = *entry.key();
+                let (start, end, _) = *entry.key();
                 if start > st_ref.claimed {
                     break;
                 }
-                let block = entry.remove();
-                let st = &mut *st_ref;
-                if end > st.claimed {
-                    run.push(((st.claimed - start) as usize, block));
-                    st.claimed = end;
-                }
+                run.push((start, entry.remove()));
+                st_ref.claimed = st_ref.claimed.max(end);
             }
             if run.is_empty() {
                 st.hashing = false;
                 seg.progress.notify_all();
                 return st;
             }
-            let (upto, mut hasher) = (st.claimed, st.hasher.take().expect("one reader hashes at a time"));
+            let upto = st.claimed;
+            // None once every byte is hashed: what lands after is only compared.
+            let mut hasher = st.hasher.take();
+            let mut tail = st.tail.take().expect("the tail goes with the hasher");
             drop(st);
-            for (skip, block) in &run {
-                hasher.update(&block.bytes()[*skip..]);
+            // This run's hashed bytes by file offset: what later copies in it are compared with
+            // (those before it, with the tail, which ends at `from`).
+            let mut hashed: Vec<(u64, &[u8])> = Vec::with_capacity(run.len());
+            let mut at = from;
+            let mut conflict = None;
+            for (start, block) in &run {
+                let bytes = block.bytes();
+                let seen = ((at.saturating_sub(*start)) as usize).min(bytes.len());
+                if conflict.is_none() {
+                    conflict = compare(&tail, from, &hashed, *start, &bytes[..seen], self.header_end);
+                }
+                let new = &bytes[seen..];
+                if let Some(hasher) = hasher.as_mut() {
+                    hasher.update(new);
+                }
+                hashed.push((start + seen as u64, new));
+                at = at.max(start + bytes.len() as u64);
             }
+            hashed.iter().for_each(|(_, new)| keep_tail(&mut tail, new));
+            drop(hashed);
             drop(run);
             st = seg.lock();
             st.hashed = upto;
-            if upto == seg.end {
-                let actual = hasher.finish();
-                st.outcome = Some(if actual == seg.expected { Ok(()) } else { Err(actual) });
-            } else {
-                st.hasher = Some(hasher);
+            st.tail = Some(tail);
+            if st.conflict.is_none() {
+                st.conflict = conflict;
+            }
+            match hasher {
+                Some(hasher) if upto == seg.end => {
+                    let actual = hasher.finish();
+                    st.outcome = Some(if actual == seg.expected { Ok(()) } else { Err(actual) });
+                }
+                hasher => st.hasher = hasher,
             }
             seg.progress.notify_all();
         }
@@ -328,14 +371,24 @@ impl FileCheck {
     }
 
     /// Waits for the hashing in progress, then says whether the file is what the manifest
-    /// says: every digest whose bytes were all read matches. A file-level digest whose file was
-    /// read in part is an error; a shard read in part is not checked (nothing of it that was
-    /// not read is handed out... but what was is unverified: loads read whole shards).
+    /// says: every digest whose bytes were read in whole or in part must have been checked and
+    /// match, and so must those covering the header where any of the data was read (the
+    /// header places every tensor). Digests of bytes not read at all are not checked: nothing
+    /// of them is handed out.
     pub fn finish(&self) -> Result<()> {
+        let data_read = self.segments.iter().any(|s| s.lock().touched);
         for seg in &self.segments {
             let mut st = seg.lock();
             while st.hashing {
                 st = seg.progress.wait(st).unwrap_or_else(|e| e.into_inner());
+            }
+            if let Some((range, why)) = &st.conflict {
+                return Err(Error::CopiesDiffer {
+                    path: self.path.clone(),
+                    start: range.start,
+                    end: range.end,
+                    why: (*why).to_owned(),
+                });
             }
             match &st.outcome {
                 Some(Ok(())) => {}
@@ -349,8 +402,16 @@ impl FileCheck {
                         manifest: self.origin.clone(),
                     })
                 }
-                None if self.whole && st.touched => {
+                None if self.whole && data_read => {
                     return Err(Error::PartialVerify { path: self.path.clone(), manifest: self.origin.clone() })
+                }
+                None if st.touched || (data_read && seg.start < self.header_end) => {
+                    return Err(Error::UncheckedBytes {
+                        path: self.path.clone(),
+                        start: seg.start,
+                        end: seg.end,
+                        manifest: self.origin.clone(),
+                    })
                 }
                 None => {}
             }
@@ -359,10 +420,15 @@ impl FileCheck {
     }
 
     /// The bytes a load must still read for every digest that covers any of `wanted` (byte
-    /// ranges the load hands out) to be checked: from the first byte not yet hashed (the
-    /// header is, from the start) to the end of the last such digest; `None` if none.
+    /// ranges the load hands out), or the header, to be checked: from the first byte not yet
+    /// hashed (the header is, from the start) to the end of the last such digest; `None` if
+    /// none (or nothing is wanted).
     pub fn bytes_to_read(&self, wanted: &[(u64, u64)]) -> Option<(u64, u64)> {
-        let touched = |seg: &Segment| wanted.iter().any(|&(a, b)| a < seg.end && seg.start < b);
+        if wanted.is_empty() {
+            return None;
+        }
+        let touched =
+            |seg: &Segment| seg.start < self.header_end || wanted.iter().any(|&(a, b)| a < seg.end && seg.start < b);
         let mut span: Option<(u64, u64)> = None;
         for seg in self.segments.iter().filter(|s| touched(s)) {
             let from = seg.lock().claimed;
@@ -371,6 +437,57 @@ impl FileCheck {
             }
         }
         span
+    }
+}
+
+/// Compares `copy`, bytes read again from `start` on, with the copy hashed: those before
+/// `from` with `tail` (the last bytes hashed before it), the others with `hashed` (the bytes
+/// hashed since, by offset). Bytes below `header_end` (the header, hashed as parsed) are not
+/// compared. `None` where they agree, else the range and why.
+fn compare(
+    tail: &[u8],
+    from: u64,
+    hashed: &[(u64, &[u8])],
+    start: u64,
+    copy: &[u8],
+    header_end: u64,
+) -> Option<(Range<u64>, &'static str)> {
+    let skip = (header_end.saturating_sub(start) as usize).min(copy.len());
+    let (start, copy) = (start + skip as u64, &copy[skip..]);
+    let end = start + copy.len() as u64;
+    let range = start..end;
+    // The part before `from`, against the tail.
+    if start < from {
+        let n = (from.min(end) - start) as usize;
+        let back = (from - start) as usize;
+        if back > tail.len() {
+            return Some((range, "too far apart to compare"));
+        }
+        if tail[tail.len() - back..tail.len() - back + n] != copy[..n] {
+            return Some((range, DIFFER));
+        }
+    }
+    // The rest, against each run of bytes hashed since that it overlaps.
+    for &(at, bytes) in hashed {
+        let (a, b) = (at.max(start).max(from), (at + bytes.len() as u64).min(end));
+        if a < b && bytes[(a - at) as usize..(b - at) as usize] != copy[(a - start) as usize..(b - start) as usize] {
+            return Some((range, DIFFER));
+        }
+    }
+    None
+}
+
+const DIFFER: &str = "differ (the file changed while it was read)";
+
+/// `tail` followed by `bytes`, cut to its last [`TAIL`] bytes.
+fn keep_tail(tail: &mut Vec<u8>, bytes: &[u8]) {
+    if bytes.len() >= TAIL {
+        tail.clear();
+        tail.extend_from_slice(&bytes[bytes.len() - TAIL..]);
+    } else {
+        let drop = (tail.len() + bytes.len()).saturating_sub(TAIL);
+        tail.drain(..drop);
+        tail.extend_from_slice(bytes);
     }
 }
 
@@ -473,9 +590,13 @@ mod tests {
             check.landed(0, &bytes[..500]);
             check.landed(1500, &bytes[1500..2100]);
         }
-        assert!(check.finish().is_ok(), "shards read whole match; the one read in part is not checked");
         assert_eq!(check.bytes_to_read(&[(2500, 2600)]), Some((2100, 3000)));
         assert_eq!(check.bytes_to_read(&[(0, 100)]), None, "shard 0 is hashed");
+        // A shard read in part never passes: what was read of it is unchecked.
+        let err = check.finish().unwrap_err();
+        assert!(matches!(err, Error::UncheckedBytes { start: 2000, end: 3000, .. }), "{err}");
+        unsafe { check.landed(2100, &bytes[2100..]) };
+        assert!(check.finish().is_ok(), "every shard read is read whole and matches");
 
         let mut changed = bytes.clone();
         changed[1500] ^= 0x80;
@@ -486,6 +607,136 @@ mod tests {
 
         let short = FileCheck::new(Path::new("f"), 2999, &Expected::Shards(shards), "m").err().unwrap();
         assert!(short.to_string().contains("expected a file of 3000 bytes, got one of 2999 bytes"), "{short}");
+    }
+
+    fn shards(bytes: &[u8], size: usize) -> Expected {
+        let shards = (0..bytes.len())
+            .step_by(size)
+            .map(|a| {
+                let b = (a + size).min(bytes.len());
+                Shard { start: a as u64, end: b as u64, digest: sha(&bytes[a..b]) }
+            })
+            .collect();
+        Expected::Shards(shards)
+    }
+
+    /// A check of a file whose header ends at `header_end`, its header already hashed (as
+    /// `Verifier::check_for` does).
+    fn with_header(bytes: &[u8], expected: &Expected, header_end: usize) -> FileCheck {
+        let mut check = FileCheck::new(Path::new("f"), bytes.len() as u64, expected, "m").unwrap();
+        check.header_end = header_end as u64;
+        check.landed_transient(0, &bytes[..header_end]);
+        check.segments.iter().for_each(|s| s.lock().touched = false);
+        check
+    }
+
+    /// The header places every tensor: a load of data in shard 2 checks shard 0 too, where the
+    /// header is, and fails if it was not read whole.
+    #[test]
+    fn a_load_of_any_data_checks_the_shards_holding_the_header() {
+        let bytes = data(3000);
+        let expected = shards(&bytes, 1000);
+        let check = with_header(&bytes, &expected, 300);
+        assert_eq!(check.bytes_to_read(&[(2100, 2200)]), Some((300, 3000)), "the header's shard is read");
+        assert_eq!(check.bytes_to_read(&[]), None, "nothing wanted, nothing read");
+        unsafe { check.landed(2000, &bytes[2000..]) };
+        let err = check.finish().unwrap_err();
+        assert!(matches!(err, Error::UncheckedBytes { start: 0, end: 1000, .. }), "{err}");
+        // A header edited in place (same length: data offsets swapped) fails its shard.
+        let mut edited = bytes.clone();
+        edited[100] ^= 1;
+        let check = with_header(&edited, &expected, 300);
+        unsafe {
+            check.landed(300, &edited[300..1000]);
+            check.landed(2000, &edited[2000..]);
+        }
+        assert!(matches!(check.finish(), Err(Error::DigestMismatch { start: 0, end: 1000, .. })));
+        // A header longer than a shard: every shard it covers is checked.
+        let check = with_header(&bytes, &expected, 1500);
+        assert_eq!(check.bytes_to_read(&[(2500, 2600)]), Some((1500, 3000)));
+        // Nothing of the data read: nothing handed out, nothing to check.
+        assert!(with_header(&bytes, &expected, 300).finish().is_ok());
+    }
+
+    /// Bytes that land twice: the copy not hashed is compared with the copy hashed, whichever
+    /// lands first, however the blocks overlap; a copy that differs fails the file.
+    #[test]
+    fn a_second_copy_of_bytes_is_compared_with_the_first() {
+        let bytes = data(20_000);
+        let expected = Expected::Whole(sha(&bytes));
+        // (first block, second block): overlapping by a page, one inside the other, equal.
+        let cases = [((0, 8192), (4096, 20_000)), ((0, 20_000), (5000, 6000)), ((0, 20_000), (0, 20_000))];
+        for ((a0, a1), (b0, b1)) in cases {
+            for second_first in [false, true] {
+                for flip in [None, Some(b0.max(a0)), Some(b1.min(a1) - 1)] {
+                    let mut other = bytes.clone();
+                    if let Some(at) = flip {
+                        other[at] ^= 0x40;
+                    }
+                    let check = FileCheck::new(Path::new("f"), 20_000, &expected, "m").unwrap();
+                    let first = || unsafe { check.landed(a0 as u64, &bytes[a0..a1]) };
+                    let second = || unsafe { check.landed(b0 as u64, &other[b0..b1]) };
+                    if second_first {
+                        second();
+                        first();
+                    } else {
+                        first();
+                        second();
+                    }
+                    // The rest of the file, once.
+                    unsafe { check.landed(a1 as u64, &bytes[a1..]) };
+                    let outcome = check.finish();
+                    let case = format!("{:?} then {:?}, flip {flip:?}", (a0, a1), (b0, b1));
+                    match flip {
+                        None => assert!(outcome.is_ok(), "{case}: {outcome:?}"),
+                        // The copy hashed is `other` where it lands first and covers the byte.
+                        Some(_) => assert!(
+                            matches!(outcome, Err(Error::CopiesDiffer { .. } | Error::DigestMismatch { .. })),
+                            "{case}: {outcome:?}"
+                        ),
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn copies_of_the_header_are_not_compared_and_copies_too_far_apart_fail() {
+        let bytes = data(300_000);
+        let expected = Expected::Whole(sha(&bytes));
+        // The header is hashed as parsed; the copy a data read brings of it is never handed out.
+        let check = with_header(&bytes, &expected, 500);
+        let mut other = bytes.clone();
+        other[10] ^= 1;
+        unsafe { check.landed(0, &other) };
+        assert!(check.finish().is_ok());
+        // A copy of bytes hashed long before (past what is kept to compare) fails, never passes.
+        let check = with_header(&bytes, &expected, 500);
+        unsafe {
+            check.landed(0, &bytes);
+            check.landed(1000, &bytes[1000..2000]);
+        }
+        let err = check.finish().unwrap_err().to_string();
+        assert_eq!(err, "f: bytes 1000..2000 were read twice and the copies too far apart to compare");
+    }
+
+    /// A block waiting for earlier bytes keeps its buffer: the reader's reference may go (a
+    /// read of the same extent failed) and the bytes are still there to hash.
+    #[test]
+    fn a_waiting_block_keeps_its_buffer_alive() {
+        let bytes = data(3 * 4096);
+        let check = FileCheck::new(Path::new("f"), bytes.len() as u64, &Expected::Whole(sha(&bytes)), "m").unwrap();
+        let mut map = memmap2::MmapMut::map_anon(4096).unwrap();
+        map.copy_from_slice(&bytes[4096..8192]);
+        let buffer = Arc::new(HostBuffer::new(map, crate::source::ReadPath::Direct));
+        check.landed_in(4096, &buffer, 0, 4096);
+        let weak = Arc::downgrade(&buffer);
+        drop(buffer);
+        assert!(weak.upgrade().is_some(), "the check holds the buffer");
+        check.landed_transient(0, &bytes[..4096]);
+        assert!(weak.upgrade().is_none(), "hashed, and let go");
+        check.landed_transient(8192, &bytes[8192..]);
+        assert!(check.finish().is_ok());
     }
 
     #[test]
