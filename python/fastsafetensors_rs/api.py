@@ -823,6 +823,11 @@ class safe_open:
         self._verified = checked is not None
         self._handle: int = ops.open_handle(self._paths, cache, checked)
         try:
+            if callable(tensor_filter) and self._verified:
+                # The names it is asked about come from the headers: only once they are checked.
+                self._patterns, self._mode = None, "glob"
+                for i in range(len(self._paths)):
+                    self._checked(i)
             if callable(tensor_filter):  # asked about the names of the files opened
                 self._patterns, self._mode = _filter_args(tensor_filter, tensor_name_match_mode, self._paths,
                                                           self._handle)
@@ -875,15 +880,19 @@ class safe_open:
 
     def keys(self) -> List[str]:
         self._check_open()
+        self._checked_all()
         return sorted(self._offset_keys)
 
     def offset_keys(self) -> List[str]:
         """Names in the order of their data in the files (the order `tensors()` yields them)."""
         self._check_open()
+        self._checked_all()
         return list(self._offset_keys)
 
     def metadata(self) -> Optional[Dict[str, str]]:
         self._check_open()
+        if self._paths:
+            self._checked(0)
         return None if self._metadata is None else dict(self._metadata)
 
     @mapped_errors
@@ -907,7 +916,25 @@ class safe_open:
 
     def get_slice(self, name: str) -> "TensorSlice":
         self._check(name)
+        self._checked(self._file_of[name])
         return TensorSlice(self, name)
+
+    @mapped_errors
+    def _checked(self, index: int) -> None:
+        """For a verified handle: file `index` read whole and checked (and kept, for
+        `get_tensor`), before anything its header says is returned (names, shapes, dtypes,
+        metadata): the header places every tensor, and it is part of what is checked."""
+        if self._verified:
+            with self._lock:
+                self._check_open()
+                reader = self._files.get(index)
+                if reader is None:
+                    reader = self._files[index] = _FileReader(self, self._paths[index])
+            reader.checked()
+
+    def _checked_all(self) -> None:
+        for i in range(len(self._paths)):
+            self._checked(i)
 
     def tensors(self, process_group: Optional[ProcessGroup] = None) -> Iterator[Tuple[str, torch.Tensor]]:
         """Every selected tensor as `(name, tensor)`, in read order, each as soon as its bytes
@@ -962,18 +989,35 @@ class _FileReader:
         self._path = path
         self._stream = None
         self.arrived: Dict[str, torch.Tensor] = {}
+        self._checked = False  # read whole (and verified, for a verified handle)
         self._lock = threading.Lock()
+
+    def checked(self) -> None:
+        """A verified handle's file, read whole and checked once (a file with none of the
+        selected tensors is checked all the same, its tensors let go)."""
+        with self._lock:
+            if not self._checked:
+                self._load_whole()
+
+    def _load_whole(self) -> None:
+        h = self._handle
+        check_settings()  # as every load does
+        selected = any(h._file_of.get(n) == h._paths.index(self._path) for n in h._selected) \
+            if h._patterns is not None else True
+        loaded = _load([self._path], h._device, None, h._reader, h._nogds, h._patterns if selected else None,
+                       h._mode, h._handle)
+        self.arrived = loaded if selected else {}
+        self._checked = True
 
     def get(self, name: str) -> torch.Tensor:
         with self._lock:
             if name in self.arrived:
                 return self.arrived[name]
             h = self._handle
-            check_settings()  # as every load does
             if h._device != "cpu" or h._verified:
-                self.arrived = _load([self._path], h._device, None, h._reader, h._nogds, h._patterns, h._mode,
-                                     h._handle)
+                self._load_whole()
             elif self._stream is None:
+                check_settings()  # as every load does
                 # No budget: the handle keeps everything it reads (files that would not fit in
                 # host memory are mapped instead, as in `load`).
                 self._stream = _open_stream([self._path], h._device, h._reader, h._patterns, h._mode, "unlimited",

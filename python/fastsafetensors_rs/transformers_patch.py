@@ -169,10 +169,25 @@ def _weight_files(weights: str) -> Tuple[List[str], Optional[Dict[str, Any]]]:
     return files, {"all_checkpoint_keys": list(weight_map), "weight_map": weight_map}
 
 
+def _check_verified_checkpoint(files: List[str], weights: Optional[str], verify: Verify) -> None:
+    """For a sharded checkpoint loaded verified: the checkpoint as a whole, as a verified
+    `load` of its directory checks it (an index the manifest lists hashed; every weights file
+    it lists loaded), and the files transformers resolved are those."""
+    if len(files) < 2:
+        return  # one file: checked as it loads
+    given = weights if weights is not None else os.path.dirname(files[0])
+    handle = _ops.ops.open_handle(list(files), None, verify_spec(verify, [given]))
+    _ops.ops.close_handle(handle)
+
+
 def _make_checkpoint_files(original: Callable[..., Any]) -> Callable[..., Any]:
     def resolve(*args, **kwargs):
         weights = _weights.get("weights")
-        return original(*args, **kwargs) if weights is None else _weight_files(weights)
+        resolved = original(*args, **kwargs) if weights is None else _weight_files(weights)
+        verify = _options.get("verify")
+        if verify is not None and resolved and resolved[0]:
+            _check_verified_checkpoint(list(resolved[0]), weights, verify)
+        return resolved
 
     resolve.__wrapped__ = original  # type: ignore[attr-defined]
     resolve._fastsafetensors = True  # type: ignore[attr-defined]

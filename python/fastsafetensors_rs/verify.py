@@ -84,16 +84,16 @@ Verify = Union[None, bool, str, Signature, Digests]
 
 def spec(verify: Verify, paths: Iterable[str] = ()) -> Optional[str]:
     """The op's `verify` argument for a `verify=` value (None for an unverified load) of
-    `paths` as the caller gave them: where one is a directory (or an index, or a URL prefix),
-    every weights file the manifest lists at its top must be loaded."""
+    `paths` as the caller gave them, each checked as a whole: an index the manifest lists is
+    verified (it chooses the files), and a directory (or URL prefix) without one must have
+    every weights file the manifest lists in it loaded."""
     if verify is None or verify is False:
         return None
-    paths = list(paths)
-    complete = any(not str(p).split("?")[0].endswith(".safetensors") for p in paths)
+    checkpoints = [os.fspath(p) for p in paths]
     if verify is True or verify == "full":
-        return json.dumps({"location": True, "full": verify == "full", "complete": complete})
+        return json.dumps({"location": True, "full": verify == "full", "checkpoints": checkpoints})
     if isinstance(verify, (Signature, Digests)):
-        return json.dumps({**verify._spec(), "complete": complete})
+        return json.dumps({**verify._spec(), "checkpoints": checkpoints})
     raise TypeError("verify= takes fastsafetensors_rs.Signature(...), fastsafetensors_rs.Digests({...}), True or "
                     f"'full', not {verify!r}")
 

@@ -38,6 +38,7 @@ use serde::Deserialize;
 use crate::error::{Error, Problem, Result};
 use crate::plan::Placement;
 use crate::source::{self, remote};
+use crate::verify::{FileCheck, Verifier};
 
 /// How the name of a checkpoint index ends in a directory.
 pub const INDEX_SUFFIX: &str = ".safetensors.index.json";
@@ -65,6 +66,8 @@ pub struct Index {
     pub weight_map: BTreeMap<String, String>,
     /// The shards as written, in the order of [`Checkpoint::files`].
     pub shards: Vec<String>,
+    /// The index's bytes as read: what a verified load checks (the index chooses the files).
+    pub bytes: Vec<u8>,
 }
 
 #[derive(Deserialize)]
@@ -197,7 +200,7 @@ impl Checkpoint {
         Ok(Checkpoint {
             path: given.to_owned(),
             files,
-            index: Some(Index { path: index_path.to_owned(), weight_map: raw.weight_map, shards }),
+            index: Some(Index { path: index_path.to_owned(), weight_map: raw.weight_map, shards, bytes: text }),
         })
     }
 
@@ -301,6 +304,66 @@ impl Checkpoint {
             Some(problem) => Err(Error::Checkpoint { path: self.report_path().to_owned(), problem, more }),
             None => Ok(()),
         }
+    }
+}
+
+/// For a load of `files` verified against `verifier`, the checkpoints it was given (`given`:
+/// files, directories, indexes, prefixes) resolved again and checked as a whole: an index the
+/// manifest lists must hash to what it lists (it chooses the files); a directory or prefix
+/// without one must have every weights file the manifest lists directly under it among the
+/// files loaded (nothing outside it is asked for); and the files must be those the load opened.
+pub fn check_verified(given: &[PathBuf], files: &[&Path], verifier: &Verifier) -> Result<()> {
+    let manifest = &verifier.manifest;
+    let mut resolved = Vec::new();
+    for path in given {
+        let ckpt = Checkpoint::resolve(path)?;
+        let index_listed = match &ckpt.index {
+            Some(index) => match manifest.entry_for(&index.path.to_string_lossy()) {
+                Some((_, expected)) => {
+                    let check = FileCheck::new(&index.path, index.bytes.len() as u64, expected, &manifest.origin)?;
+                    check.landed_transient(0, &index.bytes);
+                    check.finish()?;
+                    true
+                }
+                None => false,
+            },
+            None => false,
+        };
+        let one_file = ckpt.index.is_none() && ckpt.files.len() == 1 && ckpt.files[0] == ckpt.path;
+        if !one_file && !index_listed {
+            check_directory_complete(&ckpt, verifier)?;
+        }
+        resolved.extend(ckpt.files);
+    }
+    let opened: BTreeSet<&Path> = files.iter().copied().collect();
+    if let Some(changed) = resolved.iter().find(|f| !opened.contains(f.as_path())) {
+        return Err(Error::InvalidArgument(format!(
+            "{}: the checkpoint changed while it was being opened (this file was not among those opened)",
+            changed.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Every `.safetensors` file the manifest lists in the directory of `ckpt`'s files (by the
+/// name the manifest gives them) is among them.
+fn check_directory_complete(ckpt: &Checkpoint, verifier: &Verifier) -> Result<()> {
+    let manifest = &verifier.manifest;
+    let names: BTreeSet<&str> =
+        ckpt.files.iter().filter_map(|f| manifest.entry_for(&f.to_string_lossy()).map(|(name, _)| name)).collect();
+    let Some(first) = names.first() else { return Ok(()) };
+    let prefix = first.rsplit_once('/').map_or("", |(dir, _)| dir);
+    let in_dir = |name: &str| match name.rsplit_once('/') {
+        Some((dir, file)) => dir == prefix && !file.is_empty(),
+        None => prefix.is_empty(),
+    };
+    let missing = manifest.files.keys().find(|n| n.ends_with(FILE_SUFFIX) && in_dir(n) && !names.contains(n.as_str()));
+    match missing {
+        Some(name) => {
+            let file = name.rsplit('/').next().unwrap_or(name);
+            Err(Error::NotLoaded { path: ckpt.path.join(file), manifest: manifest.origin.clone() })
+        }
+        None => Ok(()),
     }
 }
 

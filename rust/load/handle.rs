@@ -92,7 +92,11 @@ impl OpenFiles {
     /// not list (or whose size differs from what it lists) is an error now.
     pub fn verified(mut self, verifier: Verifier) -> Result<OpenFiles> {
         Checks::new(&verifier, &self.sources, &self.headers.iter().collect::<Vec<_>>())?;
-        verifier.check_complete(&self.sources.iter().map(|s| s.path()).collect::<Vec<_>>())?;
+        checkpoint::check_verified(
+            &verifier.checkpoints,
+            &self.sources.iter().map(|s| s.path()).collect::<Vec<_>>(),
+            &verifier,
+        )?;
         self.verifier = Some(verifier);
         Ok(self)
     }
@@ -106,6 +110,10 @@ impl OpenFiles {
             Error::InvalidArgument(format!("{}: the handle was not opened to verify", path.display()))
         })?;
         let check = verifier.check_for(path, &self.headers[file])?;
+        // What a shared load hands out of these bytes lies in the digests they cover whole (its
+        // plan reads those, and the header's); the rest only fills the last aligned read.
+        let end = offset + bytes.len() as u64;
+        check.hand_out(&[(offset, Some(check.digest_boundary_before(end)).filter(|&b| b > offset).unwrap_or(end))]);
         // SAFETY: `bytes` outlive the check, which is finished (and dropped) here.
         unsafe { check.landed(offset, bytes) };
         check.finish()

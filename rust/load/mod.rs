@@ -85,9 +85,10 @@ impl Checks {
         self.files.iter().try_for_each(|c| c.finish())
     }
 
-    /// Makes `extents` read what the checks need: a file read in part is read whole where its
-    /// manifest has one digest for it (with `full`; without, an error before anything is
-    /// read), or the whole of each shard it touches.
+    /// Makes `extents` read what the checks need, and tells each check which bytes the load
+    /// hands out: a file read in part is read whole where its manifest has one digest for it
+    /// (with `full`; without, an error before anything is read), or the whole of each shard
+    /// holding bytes handed out, and of those holding the header.
     pub fn widen(&self, extents: Vec<Extent>, tensors: &[Placement], file_lens: &[u64]) -> Result<Vec<Extent>> {
         if self.files.is_empty() {
             return Ok(extents);
@@ -99,9 +100,11 @@ impl Checks {
             let run = rest.iter().take_while(|e| e.file == file).count();
             let (mine, later) = rest.split_at(run);
             rest = later;
-            let wanted: Vec<(u64, u64)> = mine.iter().map(|e| (e.start, e.start + e.expected)).collect();
+            let tensors_of = mine[0].tensors.start..mine[run - 1].tensors.end;
+            let handed_out: Vec<(u64, u64)> =
+                tensors[tensors_of.clone()].iter().map(|t| (t.offset, t.offset + t.nbytes)).collect();
             let check = &self.files[file];
-            match check.bytes_to_read(&wanted) {
+            match check.hand_out(&handed_out) {
                 Some(span) if !covers(mine, span) => {
                     if check.is_whole_file() && !self.full {
                         return Err(Error::PartialVerify {
@@ -112,7 +115,6 @@ impl Checks {
                     let start = plan::align_down(span.0.min(first.start), IO_ALIGN);
                     let end =
                         plan::align_up(span.1.max(mine.iter().map(|e| e.start + e.len).max().unwrap_or(0)), IO_ALIGN);
-                    let tensors_of = mine[0].tensors.start..mine[run - 1].tensors.end;
                     debug_assert!(tensors[tensors_of.clone()].iter().all(|t| t.file == file));
                     out.push(Extent {
                         file,

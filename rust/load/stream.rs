@@ -107,8 +107,12 @@ pub(crate) fn plan_groups(planned: Planned, options: &StreamOptions) -> (Vec<Arc
 pub(crate) fn check_coverage(checks: &Checks, groups: &[PlannedGroup]) -> Result<()> {
     for (file, check) in checks.files.iter().enumerate() {
         let mine: Vec<&Extent> = groups.iter().map(|(e, _)| e).filter(|e| e.file == file).collect();
-        let wanted: Vec<(u64, u64)> = mine.iter().map(|e| (e.start, e.start + e.expected)).collect();
-        let Some(span) = check.bytes_to_read(&wanted) else { continue };
+        let handed_out: Vec<(u64, u64)> = groups
+            .iter()
+            .filter(|(e, _)| e.file == file)
+            .flat_map(|(_, tensors)| tensors.iter().map(|t| (t.offset, t.offset + t.nbytes)))
+            .collect();
+        let Some(span) = check.hand_out(&handed_out) else { continue };
         if !load::covers(mine.iter().copied(), span) {
             return Err(Error::InvalidArgument(format!(
                 "{}: a verified stream hands out only what it checks, and this selection reads part of what {} \

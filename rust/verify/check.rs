@@ -27,34 +27,15 @@ pub struct Verifier {
     /// Read the whole of every file a load touches, so that a load of some of its tensors can
     /// still be checked against a digest of the whole file.
     pub full: bool,
-    /// The load is of a whole directory: every weights file the manifest lists at its top
-    /// must be among the load's files (a file missing would leave the model short, silently).
-    pub complete: bool,
+    /// What the load was given (files, directories, indexes, prefixes): each is checked as a
+    /// whole (`load::checkpoint::check_verified`): a listed index hashed, a directory's listed
+    /// weights files all loaded (a file missing would leave the model short, silently).
+    pub checkpoints: Vec<PathBuf>,
 }
 
 impl Verifier {
     pub fn new(manifest: Manifest, full: bool) -> Verifier {
-        Verifier { manifest: Arc::new(manifest), full, complete: false }
-    }
-
-    /// For a load of the files `paths`, a directory's: the first listed `.safetensors` file
-    /// at the manifest's top that is not among them, as an error.
-    pub fn check_complete(&self, paths: &[&Path]) -> Result<()> {
-        if !self.complete {
-            return Ok(());
-        }
-        let loaded: Vec<&str> =
-            paths.iter().filter_map(|p| self.manifest.entry_for(&p.to_string_lossy()).map(|(name, _)| name)).collect();
-        let dir = paths.first().and_then(|p| p.parent()).unwrap_or(Path::new("."));
-        match self
-            .manifest
-            .files
-            .keys()
-            .find(|n| n.ends_with(".safetensors") && !n.contains('/') && !loaded.contains(&n.as_str()))
-        {
-            Some(name) => Err(Error::NotLoaded { path: dir.join(name), manifest: self.manifest.origin.clone() }),
-            None => Ok(()),
-        }
+        Verifier { manifest: Arc::new(manifest), full, checkpoints: Vec::new() }
     }
 
     /// The check of the file at `path` (what the manifest's names are matched against),
@@ -86,6 +67,10 @@ pub struct FileCheck {
     /// Where the header ends: bytes below are the header parsed (and hashed as parsed), which
     /// no tensor is handed out from, so their later copies are not compared.
     header_end: u64,
+    /// Whether the load said which bytes it hands out ([`FileCheck::hand_out`]): then only
+    /// the digests covering them (and the header) must pass; else every digest any read
+    /// touched must.
+    told: AtomicBool,
     failed: AtomicBool,
 }
 
@@ -115,6 +100,9 @@ struct State {
     hashing: bool,
     /// Whether any of the data was read.
     touched: bool,
+    /// Whether the load hands out bytes it covers (or it covers the header of a file the load
+    /// hands out bytes of).
+    needed: bool,
     /// Set once every byte is hashed: the digest, if it is not the one expected.
     outcome: Option<std::result::Result<(), Digest>>,
 }
@@ -174,6 +162,7 @@ impl FileCheck {
                 conflict: None,
                 hashing: false,
                 touched: false,
+                needed: false,
                 outcome: None,
             }),
             progress: Condvar::new(),
@@ -201,6 +190,7 @@ impl FileCheck {
             segments,
             whole,
             header_end: 0,
+            told: AtomicBool::new(false),
             failed: AtomicBool::new(false),
         })
     }
@@ -376,6 +366,7 @@ impl FileCheck {
     /// header places every tensor). Digests of bytes not read at all are not checked: nothing
     /// of them is handed out.
     pub fn finish(&self) -> Result<()> {
+        let told = self.told.load(Ordering::Relaxed);
         let data_read = self.segments.iter().any(|s| s.lock().touched);
         for seg in &self.segments {
             let mut st = seg.lock();
@@ -402,10 +393,13 @@ impl FileCheck {
                         manifest: self.origin.clone(),
                     })
                 }
-                None if self.whole && data_read => {
+                // Bytes read only to fill an aligned read (past the last byte handed out) are
+                // not handed out: their digest need not pass.
+                None if told && !st.needed => {}
+                None if self.whole && (data_read || st.needed) => {
                     return Err(Error::PartialVerify { path: self.path.clone(), manifest: self.origin.clone() })
                 }
-                None if st.touched || (data_read && seg.start < self.header_end) => {
+                None if st.needed || st.touched || (data_read && seg.start < self.header_end) => {
                     return Err(Error::UncheckedBytes {
                         path: self.path.clone(),
                         start: seg.start,
@@ -419,6 +413,26 @@ impl FileCheck {
         Ok(())
     }
 
+    /// The load hands out the bytes `ranges` of this file (tensors' bytes; an empty range
+    /// for a tensor of no bytes, whose shape the header gives all the same): the digests
+    /// covering them and the header are the ones that must pass (those of bytes read only to
+    /// fill an aligned read need not). Returns what must still be read for them to be checked
+    /// ([`FileCheck::bytes_to_read`]).
+    pub fn hand_out(&self, ranges: &[(u64, u64)]) -> Option<(u64, u64)> {
+        if ranges.is_empty() {
+            return None;
+        }
+        self.told.store(true, Ordering::Relaxed);
+        for seg in self.segments.iter().filter(|s| self.covers_any(s, ranges)) {
+            seg.lock().needed = true;
+        }
+        self.bytes_to_read(ranges)
+    }
+
+    fn covers_any(&self, seg: &Segment, ranges: &[(u64, u64)]) -> bool {
+        seg.start < self.header_end || ranges.iter().any(|&(a, b)| a < b && a < seg.end && seg.start < b)
+    }
+
     /// The bytes a load must still read for every digest that covers any of `wanted` (byte
     /// ranges the load hands out), or the header, to be checked: from the first byte not yet
     /// hashed (the header is, from the start) to the end of the last such digest; `None` if
@@ -427,16 +441,20 @@ impl FileCheck {
         if wanted.is_empty() {
             return None;
         }
-        let touched =
-            |seg: &Segment| seg.start < self.header_end || wanted.iter().any(|&(a, b)| a < seg.end && seg.start < b);
         let mut span: Option<(u64, u64)> = None;
-        for seg in self.segments.iter().filter(|s| touched(s)) {
+        for seg in self.segments.iter().filter(|s| self.covers_any(s, wanted)) {
             let from = seg.lock().claimed;
             if from < seg.end {
                 span = Some(span.map_or((from, seg.end), |(a, b)| (a.min(from), b.max(seg.end))));
             }
         }
         span
+    }
+
+    /// The last boundary between digests (or the file's end) at or before `offset`: a read
+    /// ending at `offset` reads every digest it covers whole up to there.
+    pub fn digest_boundary_before(&self, offset: u64) -> u64 {
+        self.segments.iter().map(|s| s.end).filter(|&e| e <= offset).max().unwrap_or(0)
     }
 }
 
@@ -656,6 +674,30 @@ mod tests {
         assert_eq!(check.bytes_to_read(&[(2500, 2600)]), Some((1500, 3000)));
         // Nothing of the data read: nothing handed out, nothing to check.
         assert!(with_header(&bytes, &expected, 300).finish().is_ok());
+    }
+
+    /// A load says which bytes it hands out: the digests covering them and the header must
+    /// pass; one read only to fill the last aligned read need not, and is not read whole.
+    #[test]
+    fn digests_of_bytes_handed_out_must_pass_and_those_of_padding_need_not() {
+        let bytes = data(3000);
+        let expected = shards(&bytes, 1000);
+        let check = with_header(&bytes, &expected, 300);
+        // Tensor bytes in shard 1; an aligned read of them spills into shard 2.
+        assert_eq!(check.hand_out(&[(1100, 1900)]), Some((300, 2000)), "the header's shard and shard 1");
+        unsafe { check.landed(300, &bytes[300..2100]) };
+        assert!(check.finish().is_ok(), "shard 2 was read in part, and nothing of it is handed out");
+        // Shard 1 read in part: it holds bytes handed out.
+        let check = with_header(&bytes, &expected, 300);
+        check.hand_out(&[(1100, 1900)]);
+        unsafe { check.landed(300, &bytes[300..1950]) };
+        assert!(matches!(check.finish(), Err(Error::UncheckedBytes { start: 1000, end: 2000, .. })));
+        // A tensor of no bytes still needs the header's shard.
+        let check = with_header(&bytes, &expected, 300);
+        assert_eq!(check.hand_out(&[(2500, 2500)]), Some((300, 1000)));
+        assert!(matches!(check.finish(), Err(Error::UncheckedBytes { start: 0, end: 1000, .. })));
+        assert_eq!(check.digest_boundary_before(2100), 2000);
+        assert_eq!(check.digest_boundary_before(999), 0);
     }
 
     /// Bytes that land twice: the copy not hashed is compared with the copy hashed, whichever

@@ -189,8 +189,8 @@ impl Manifest {
 /// `{"signature": PATH, "public_key": PATH}` (or `"certificate_chain": [PATH…]`, or
 /// `"trusted_root": PATH, "identity": …, "issuer": …`), `{"digests": {NAME: DIGEST}}`, or
 /// `{"location": true}` (what the files' location carries: a Hugging Face cache's blob
-/// names); each with `"full": bool` and `"complete": bool` (the load is of a directory:
-/// every weights file listed at its top must be loaded). `paths` are the load's files.
+/// names); each with `"full": bool` and `"checkpoints": [PATH…]` (what the load was given,
+/// checked as a whole: see [`Verifier::checkpoints`]). `paths` are the load's files.
 pub fn verifier_from_spec(spec: &str, paths: &[PathBuf]) -> Result<Verifier> {
     #[derive(serde::Deserialize)]
     #[serde(deny_unknown_fields)]
@@ -207,7 +207,7 @@ pub fn verifier_from_spec(spec: &str, paths: &[PathBuf]) -> Result<Verifier> {
         #[serde(default)]
         full: bool,
         #[serde(default)]
-        complete: bool,
+        checkpoints: Vec<String>,
     }
     let bad = |why: String| Error::InvalidArgument(format!("verify=: {why}"));
     let spec: Spec = serde_json::from_str(spec).map_err(|e| bad(e.to_string()))?;
@@ -234,7 +234,8 @@ pub fn verifier_from_spec(spec: &str, paths: &[PathBuf]) -> Result<Verifier> {
         (None, None, true) => manifest::from_hf_cache(&paths.iter().map(PathBuf::as_path).collect::<Vec<_>>())?,
         _ => return Err(bad("give one of a signature, digests or the location".into())),
     };
-    Ok(Verifier { complete: spec.complete, ..Verifier::new(manifest, spec.full) })
+    let checkpoints = spec.checkpoints.into_iter().map(PathBuf::from).collect();
+    Ok(Verifier { checkpoints, ..Verifier::new(manifest, spec.full) })
 }
 
 /// A signature file's bytes, local or at a URL (it is small).
