@@ -16,6 +16,9 @@ pub enum Error {
     /// An operating-system call on the file failed.
     #[error("{}: {op} failed: {source}", .path.display())]
     Io { path: PathBuf, op: &'static str, source: std::io::Error },
+    /// There is nothing at the path (in safetensors' words, which code written for it matches).
+    #[error("No such file or directory: {}", .path.display())]
+    NotFound { path: PathBuf },
     /// The path is a directory, device or pipe rather than a regular file.
     #[error("{}: not a regular file", .path.display())]
     NotAFile { path: PathBuf },
@@ -200,7 +203,10 @@ impl Error {
     }
 
     pub(crate) fn io(path: impl Into<PathBuf>, op: &'static str, source: std::io::Error) -> Error {
-        Error::Io { path: path.into(), op, source }
+        match (op, source.kind()) {
+            ("open", std::io::ErrorKind::NotFound) => Error::NotFound { path: path.into() },
+            _ => Error::Io { path: path.into(), op, source },
+        }
     }
 
     /// This error, or where its message names a URL with a user name, a password or a query

@@ -65,9 +65,12 @@ class TensorKeyError(KeyError, SafetensorError):
 _IO_ERROR = re.compile(r"^(?P<path>.*): (?P<op>[a-z][a-z ()_]*) failed: (?P<strerror>.*) \(os error (?P<errno>\d+)\)$")
 
 # Errors that are not a system call's but mean what an errno means, by their fixed wording in
-# rust/error.rs: a directory given where one file is read (`IsDirectory`, which open(2) would
-# not refuse), an object URL with nothing behind it (`RemoteNotFound`).
+# rust/error.rs: a file that is not there, a directory given where one file is read
+# (`IsDirectory`, which open(2) would not refuse), an object URL with nothing behind it
+# (`RemoteNotFound`).
 _LIKE_AN_ERRNO = (
+    # A file that is not there, in safetensors' words (`NotFound`).
+    (re.compile(r"^No such file or directory: (?P<path>.*)$"), _errno.ENOENT),
     (re.compile(r"^(?P<path>.*): is a directory, but .*$"), _errno.EISDIR),
     (re.compile(r"^(?P<path>.*): no such [a-z]+ \(HTTP 404\).*$"), _errno.ENOENT),
 )

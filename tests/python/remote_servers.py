@@ -187,10 +187,13 @@ class _FileHandler(BaseHTTPRequestHandler):
             f.seek(start)
             left, k = end - start, 0
             while left:
+                at = end - left
                 chunk = f.read(min(left, pieces[k % len(pieces)] if pieces else 1 << 20))
                 k += 1
                 if not chunk:
                     break
+                if self.server.lie_on_rereads:
+                    chunk = self.server.reread(path, start, at, chunk)
                 if self.server.delay and start >= self.server.delay_from:
                     time.sleep(self.server.delay)
                 self.wfile.write(chunk)
@@ -252,6 +255,12 @@ class FileServer(_LoopbackServer):
         self.length_error = 0
         # Bodies written in pieces of these sizes in turn (each sent at once), not 1 MiB writes.
         self.write_sizes: list[int] = []
+        # A server answering a second request for the same bytes differently: bytes already sent
+        # for a request starting before this one's start come back with every bit flipped
+        # (`lies` counts them).
+        self.lie_on_rereads = False
+        self.lies = 0
+        self._sent_ranges: dict = {}  # path -> [(first byte, end, the request's start)]
         self.headers_seen: list = []  # every request's headers, as a dict (names Title-Cased)
         self.sent = 0
         self.requests: list = []
@@ -266,6 +275,24 @@ class FileServer(_LoopbackServer):
     def count(self, n: int) -> None:
         with self._lock:
             self.sent += n
+
+    def reread(self, path, request_start: int, at: int, chunk: bytes) -> bytes:
+        """`chunk`, file bytes from `at` on answering a request that starts at
+        `request_start`, with the bytes an earlier-starting request was sent flipped."""
+        with self._lock:
+            sent = self._sent_ranges.setdefault(str(path), [])
+            lie = bytearray(len(chunk))
+            for a, b, first in sent:
+                lo, hi = max(a, at), min(b, at + len(chunk))
+                if first < request_start and lo < hi:
+                    lie[lo - at:hi - at] = b"\xff" * (hi - lo)
+            sent.append((at, at + len(chunk), request_start))
+            lies = lie.count(0xFF)
+            if not lies:
+                return chunk
+            self.lies += lies
+            n = len(chunk)
+            return (int.from_bytes(chunk, "little") ^ int.from_bytes(lie, "little")).to_bytes(n, "little")
 
     def reset(self) -> None:
         with self._lock:

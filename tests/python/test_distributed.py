@@ -10,6 +10,7 @@ read from storage (`read_bytes` of /proc/self/io, after evicting the files).
 from __future__ import annotations
 
 import gc
+import json
 import os
 import sys
 import traceback
@@ -48,6 +49,44 @@ def build(d: Path) -> None:
     for r in range(4):
         (d / f"rank{r}").mkdir(exist_ok=True)
         U.write_checkpoint(d / f"rank{r}" / "model.safetensors", checkpoint_tensors()[1])
+    sign_shards(d)
+
+
+SHARD = 64 << 10
+
+
+def sign_shards(d: Path) -> None:
+    """`signed/model.safetensors`, signed by model_signing with a manifest of 64 KiB shards
+    (`shards.sig`, key `shards.pub`), and `edited/`, the same file with one byte of a tensor in
+    the middle of its third shard changed after signing (`edited.txt` names that tensor)."""
+    import shutil
+
+    import model_signing
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    signed = d / "signed"
+    signed.mkdir()
+    U.write_checkpoint(signed / "model.safetensors",
+                       {f"t{i}": U.finite_tensor(torch.float32, (5000 + 11 * i,), 60 + i) for i in range(12)})
+    key = ec.generate_private_key(ec.SECP256R1())
+    (d / "shards.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                     serialization.NoEncryption()))
+    (d / "shards.pub").write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                                 serialization.PublicFormat.SubjectPublicKeyInfo))
+    hashing = model_signing.hashing.Config().use_shard_serialization(shard_size=SHARD)
+    model_signing.signing.Config().use_elliptic_key_signer(private_key=d / "shards.pem").set_hashing_config(
+        hashing).sign(signed, d / "shards.sig")
+    shutil.copytree(signed, d / "edited")
+    at = 2 * SHARD + SHARD // 2
+    data = bytearray((d / "edited" / "model.safetensors").read_bytes())
+    data[at] ^= 0x10
+    (d / "edited" / "model.safetensors").write_bytes(bytes(data))
+    header_len = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + header_len])
+    at -= 8 + header_len
+    tensors = {k: v["data_offsets"] for k, v in header.items() if k != "__metadata__"}
+    (d / "edited.txt").write_text(next(k for k, (a, b) in tensors.items() if a <= at < b))
 
 
 def read_bytes() -> int:
@@ -107,6 +146,24 @@ class Worker:
         except RuntimeError as e:
             error = str(e)
         return {"tensors": out, "error": error}
+
+    def verified_shards(self) -> dict:
+        """A shared, filtered load verified against a shard manifest: the plan reads the
+        shards holding the wanted tensor and the header whole; a byte edited in the middle of
+        a shard fails every rank."""
+        import fastsafetensors_rs as fst
+
+        sig = fst.Signature(self.d / "shards.sig", public_key=self.d / "shards.pub")
+        name = (self.d / "edited.txt").read_text()
+        ok = fst.load(str(self.d / "signed" / "model.safetensors"), process_group=self.group, tensor_filter=[name],
+                      verify=sig)
+        try:
+            fst.load(str(self.d / "edited" / "model.safetensors"), process_group=self.group, tensor_filter=[name],
+                     verify=sig)
+            error = None
+        except RuntimeError as e:
+            error = str(e)
+        return {"tensors": ok, "name": name, "error": error}
 
     def filtered(self) -> dict:
         import fastsafetensors_rs as fst
@@ -276,7 +333,7 @@ def owned(value):
     return value
 
 
-SCENARIOS = ["bulk", "verified", "filtered", "streamed", "sharded", "mismatch", "plan_failure", "read_failure",
+SCENARIOS = ["bulk", "verified", "verified_shards", "filtered", "streamed", "sharded", "mismatch", "plan_failure", "read_failure",
              "different_bytes"]
 
 
@@ -379,6 +436,20 @@ def test_a_verified_load_checks_each_file_once_and_fails_every_rank_alike(world,
         assert "checked by rank" in error, error
     for r in results:
         U.assert_same_dict(r["verified"]["tensors"], ref)
+
+
+def test_a_verified_filtered_load_of_a_shard_manifest_fails_every_rank_on_an_edited_shard(world, ckpt):
+    from safetensors.torch import load_file
+
+    n, results = world
+    name = results[0]["verified_shards"]["name"]
+    errors = {r["verified_shards"]["error"] for r in results}
+    assert len(errors) == 1, errors
+    error = errors.pop()
+    assert error is not None and "edited/model.safetensors: digest mismatch" in error, error
+    expected = {name: load_file(ckpt / "signed" / "model.safetensors")[name]}
+    for r in results:
+        U.assert_same_dict(r["verified_shards"]["tensors"], expected)
 
 
 def test_a_filter_reads_only_the_selected_tensors_once(world, ckpt, ref):

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -438,3 +439,223 @@ def test_a_certificate_signature_verifies_against_its_chain_as_model_signing_say
     else:
         with pytest.raises(SafetensorError, match="signature does not verify"):
             fst.load(str(model / "model.safetensors"), verify=verify)
+
+
+# ------------------------------------------------------- nothing unsigned is ever handed out
+
+def _swap_offsets(path: Path, a: str, b: str) -> None:
+    """Swaps the data offsets of tensors `a` and `b` (of the same size) in the header, in place:
+    the header keeps its length and still parses, and each name now places the other's bytes."""
+    data = bytearray(path.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    text = data[8:8 + n].decode()
+    oa, ob = (json.dumps(header[k]["data_offsets"], separators=(",", ":")) for k in (a, b))
+    assert text.count(oa) == 1 and text.count(ob) == 1, (oa, ob)
+    text = text.replace(oa, "\0").replace(ob, oa).replace("\0", ob)
+    data[8:8 + n] = text.encode()
+    path.write_bytes(bytes(data))
+
+
+def _sign_shards(root: Path, tmp_path: Path, shard_size: int) -> tuple:
+    private, public = _keypair(tmp_path / "keys")
+    signature = tmp_path / "shards.sig"
+    hashing = model_signing.hashing.Config().use_shard_serialization(shard_size=shard_size)
+    model_signing.signing.Config().use_elliptic_key_signer(private_key=private).set_hashing_config(
+        hashing).sign(root, signature)
+    return signature, public
+
+
+def _oms_verifies_shards(root: Path, signature: Path, public: Path, shard_size: int) -> bool:
+    hashing = model_signing.hashing.Config().use_shard_serialization(shard_size=shard_size)
+    try:
+        model_signing.verifying.Config().use_elliptic_key_verifier(public_key=public).set_hashing_config(
+            hashing).verify(root, signature)
+        return True
+    except Exception:  # noqa: BLE001 - any rejection
+        return False
+
+
+def test_a_partial_read_checks_the_header_of_a_shard_manifest(tmp_path):
+    """Swapping the data offsets of two same-size tensors in the header (same length, still
+    parses) of a shard-signed file: a load of one tensor, a slice of it, and full=True all
+    fail, as model_signing does; the header's shard is part of every check."""
+    root = tmp_path / "model"
+    root.mkdir()
+    g = torch.Generator().manual_seed(3)
+    tensors = {name: torch.randn(4000, generator=g) for name in ("a", "x", "pad", "y")}
+    save_file(tensors, str(root / "model.safetensors"))
+    signature, public = _sign_shards(root, tmp_path, shard_size=8192)
+    path = root / "model.safetensors"
+    verify = Signature(signature, public_key=public)
+    U.assert_same_tensor(fst.load(str(path), tensor_filter="x", verify=verify)["x"], tensors["x"])
+    _swap_offsets(path, "x", "y")
+    assert not _oms_verifies_shards(root, signature, public, 8192)
+    assert torch.equal(load_file(str(path))["x"], tensors["y"]), "the edit makes x name y's bytes"
+    for v in (verify, Signature(signature, public_key=public, full=True)):
+        with pytest.raises(SafetensorError, match="model.safetensors: digest mismatch \\(bytes 0\\.\\.8192\\)"):
+            fst.load(str(path), tensor_filter="x", verify=v)
+        with pytest.raises(SafetensorError, match="digest mismatch"):
+            with fst.safe_open(str(path), framework="pt", verify=v) as f:
+                f.get_slice("x")[:10]
+        with pytest.raises(SafetensorError, match="digest mismatch"):
+            dict(fst.stream(str(path), verify=v))
+
+
+@pytest.mark.parametrize("reader", [None, "mmap", "direct"])
+def test_verified_tensors_do_not_change_when_the_file_is_written_after(model, reader):
+    """A verified tensor's bytes are those hashed, in memory the load owns: writing into the
+    file in place afterwards (the page cache, which a mapping would share) changes nothing
+    handed out, through every entry point."""
+    digests = _digests(model)
+    last = model / FILES[1]
+    name = "layer.2.5.weight"
+    original = _expected(model)[name].clone()  # safetensors may hand out a view of its mapping
+    last.read_bytes()  # in the page cache: the reader a warm, unverified load would map
+    got = {
+        "load": fst.load(str(model), verify=digests, reader=reader)[name],
+        "load_file": fst.load_file(str(last), verify=digests)[name],
+        "stream": dict(fst.stream(str(model), verify=digests, reader=reader, max_memory="1M"))[name],
+    }
+    with fst.safe_open(str(last), framework="pt", verify=digests) as f:
+        got["safe_open"] = f.get_tensor(name)
+    with open(last, "r+b") as f:
+        f.seek(-4, os.SEEK_END)
+        f.write(struct.pack("<f", 123.0))
+        f.flush()
+        os.fsync(f.fileno())
+    assert load_file(str(last))[name][-1, -1].item() == 123.0, "the file was written"
+    for how, tensor in got.items():
+        assert tensor[-1, -1].item() == original[-1, -1].item(), f"{how}: a verified tensor changed"
+        U.assert_same_tensor(tensor, original)
+
+
+def test_a_stream_hands_out_no_second_copy_the_server_sent_differently(model):
+    """Consecutive groups of a stream share a page, read twice; a server that answers the
+    second request for those bytes differently must not reach a tensor: the stream fails
+    naming the bytes, or every tensor is the signed one."""
+    digests = _digests(model)
+    expected = _expected(model)
+    with FileServer(model) as server:
+        server.lie_on_rereads = True
+        url = f"{server.url}/{FILES[0]}"
+        try:
+            got = dict(fst.stream(url, verify=digests, max_memory="64K"))
+        except SafetensorError as e:
+            assert "were read twice and the copies differ" in str(e) or "digest mismatch" in str(e), e
+        else:
+            wrong = [n for n in got if not torch.equal(got[n], expected[n])]
+            assert not wrong, f"tensors from bytes never hashed: {wrong[:5]}"
+        assert server.lies > 0, "the server sent some bytes twice, the second time changed"
+
+
+def _diffusers_like(tmp_path: Path) -> Path:
+    """A repository of several models in subfolders, as diffusers lays them out."""
+    repo = tmp_path / "repo"
+    for sub, seed, files in (("transformer", 1, 2), ("unet", 2, 1), ("vae", 3, 1)):
+        (repo / sub).mkdir(parents=True)
+        for k in range(files):
+            name = f"diffusion_pytorch_model-{k + 1:05d}-of-{files:05d}.safetensors" if files > 1 else \
+                "diffusion_pytorch_model.safetensors"
+            save_file(_tensors(seed * 10 + k, 3), str(repo / sub / name))
+        (repo / sub / "config.json").write_text("{}")
+    (repo / "model_index.json").write_text("{}")
+    return repo
+
+
+def test_completeness_is_judged_in_the_directory_loaded(tmp_path):
+    """A signed repository with subfolders: an untouched subfolder loads; one whose signed
+    shard was deleted is refused naming it, as model_signing refuses the repository."""
+    repo = _diffusers_like(tmp_path)
+    private, public = _keypair(tmp_path / "keys")
+    signature = tmp_path / "repo.sig"
+    _sign(repo, private, signature)
+    verify = Signature(signature, public_key=public)
+    unet = fst.load(str(repo / "unet"), verify=verify)
+    U.assert_same_dict(unet, load_file(str(repo / "unet" / "diffusion_pytorch_model.safetensors")))
+    assert len(fst.load(str(repo / "transformer"), verify=verify)) == 6
+    gone = "diffusion_pytorch_model-00002-of-00002.safetensors"
+    (repo / "transformer" / gone).unlink()
+    assert not _oms_verifies(repo, signature, public)
+    with pytest.raises(SafetensorError, match=f"transformer/{gone}: listed in .*, but not in the directory loaded"):
+        fst.load(str(repo / "transformer"), verify=verify)
+    with pytest.raises(SafetensorError, match=f"{gone}: listed in"):
+        dict(fst.stream(str(repo / "transformer"), verify=verify))
+
+
+def test_an_index_is_checked_and_a_mistral_style_directory_loads(tmp_path, model):
+    """A listed index is checked like any listed file (it chooses the files); a directory with
+    an index beside a consolidated file (Mistral's layout) loads the index's shards."""
+    index = {"metadata": {}, "weight_map": {}}
+    for name in FILES:
+        for key in load_file(str(model / name)):
+            index["weight_map"][key] = name
+    (model / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    save_file(_tensors(9, 2), str(model / "consolidated.safetensors"))
+    private, public = _keypair(tmp_path / "keys")
+    signature = tmp_path / "mistral.sig"
+    _sign(model, private, signature)
+    verify = Signature(signature, public_key=public)
+    U.assert_same_dict(fst.load(str(model), verify=verify), _expected(model))
+    # The index edited to drop the second shard (and the shard deleted): refused.
+    for key in [k for k, v in index["weight_map"].items() if v == FILES[1]]:
+        del index["weight_map"][key]
+    (model / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (model / FILES[1]).unlink()
+    assert not _oms_verifies(model, signature, public)
+    with pytest.raises(SafetensorError, match="model.safetensors.index.json: digest mismatch"):
+        fst.load(str(model), verify=verify)
+
+
+def test_from_pretrained_refuses_a_signed_shard_deleted_and_the_index_edited(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                                      max_position_embeddings=64)
+    torch.manual_seed(8)
+    directory = tmp_path / "llama"
+    transformers.LlamaForCausalLM(config).save_pretrained(str(directory), max_shard_size="20KB")
+    private, public = _keypair(tmp_path / "keys")
+    signature = tmp_path / "llama.sig"
+    _sign(directory, private, signature)
+    verify = Signature(signature, public_key=public)
+    stock = transformers.LlamaForCausalLM.from_pretrained(str(directory))
+    with fst.patched_transformers(verify=verify):
+        U.assert_same_dict(transformers.LlamaForCausalLM.from_pretrained(str(directory)).state_dict(),
+                           stock.state_dict())
+    index_path = directory / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = sorted(set(index["weight_map"].values()))[-1]
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != shard}
+    index_path.write_text(json.dumps(index, indent=2))
+    (directory / shard).unlink()
+    assert not _oms_verifies(directory, signature, public)
+    with fst.patched_transformers(verify=verify):
+        with pytest.raises(Exception, match="model.safetensors.index.json: digest mismatch"):
+            transformers.LlamaForCausalLM.from_pretrained(str(directory))
+
+
+def test_safe_open_returns_nothing_of_an_unverified_header(tmp_path):
+    """Metadata, names, shapes and dtypes come from the header, which is checked with the
+    file before any of them is returned."""
+    root = tmp_path / "model"
+    root.mkdir()
+    w = torch.arange(8, dtype=torch.float32).reshape(4, 2)
+    save_file({"w": w}, str(root / "model.safetensors"), metadata={"quant": "none"})
+    private, public = _keypair(tmp_path / "keys")
+    signature = tmp_path / "model.sig"
+    _sign(root, private, signature)
+    verify = Signature(signature, public_key=public)
+    path = root / "model.safetensors"
+    with fst.safe_open(str(path), framework="pt", verify=verify) as f:
+        assert f.metadata() == {"quant": "none"}
+        assert f.get_slice("w").get_shape() == [4, 2]
+    good = path.read_bytes()
+    for old, new, accessor in [(b'"none"', b'"int4"', lambda f: f.metadata()),
+                               (b"[4,2]", b"[2,4]", lambda f: f.get_slice("w").get_shape()),
+                               (b"[4,2]", b"[2,4]", lambda f: f.keys())]:
+        path.write_bytes(good.replace(old, new, 1))
+        assert not _oms_verifies(root, signature, public)
+        with fst.safe_open(str(path), framework="pt", verify=verify) as f:
+            with pytest.raises(SafetensorError, match="model.safetensors: digest mismatch"):
+                accessor(f)
