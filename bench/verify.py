@@ -12,11 +12,16 @@ before each run:
 - oms+safetensors: `model_signing`'s verify, then safetensors' `load_file` of each file;
 - oms+ours: `model_signing`'s verify, then our unverified load.
 
+With `--before DIR` (an earlier build of this package installed there, `pip install
+--target DIR --no-deps WHEEL`), a row `ours+verify (NAME)` loads verified with that build, for
+before/after figures from one run.
+
 Each row reports GB/s (median) and CPU seconds per GB (user + system, the process and its
 children). Then the hash rate of one core: this package's sha256 (`fastsafetensors-rs verify
 --digests` of one warm file: one thread per file) beside coreutils' `sha256sum`.
 
     .venv/bin/python bench/verify.py [--size-gb 2] [--files 4] [--runs 5] [--json out.json]
+                                     [--before DIR --before-name NAME]
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ def worker(row: str, model: str, signature: str, public: str) -> dict[str, Any]:
     cpu0, start = cpu_seconds(), time.perf_counter()
     if row == "ours":
         tensors = fst.load(model)
-    elif row == "ours+verify":
+    elif row.startswith("ours+verify"):
         tensors = fst.load(model, verify=fst.Signature(signature, public_key=public))
     elif row == "oms+safetensors":
         oms_verify(model, signature, public)
@@ -78,9 +83,12 @@ def worker(row: str, model: str, signature: str, public: str) -> dict[str, Any]:
     return {"seconds": seconds, "cpu": cpu, "bytes": nbytes, "checksum": checksum}
 
 
-def spawn(row: str, model: Path, signature: Path, public: Path) -> dict[str, Any]:
+def spawn(row: str, model: Path, signature: Path, public: Path, before: Path | None = None) -> dict[str, Any]:
+    env = dict(os.environ)
+    if row.endswith(")") and before is not None:  # the earlier build's row
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(before.resolve()), env.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, __file__, "--worker", row, str(model), str(signature), str(public)],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=env)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         return {"error": proc.stderr.strip()[-1500:]}
@@ -134,12 +142,16 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--dir", default=str(Path(__file__).resolve().parents[1] / "bench-data"))
     p.add_argument("--json", help="also write every sample and the medians here")
+    p.add_argument("--before", type=Path, help="an earlier build of this package installed in this directory: "
+                                              "its verified load gets a row of its own")
+    p.add_argument("--before-name", default="before", help="what that row is called")
     p.add_argument("--worker", nargs=4, metavar=("ROW", "MODEL", "SIG", "KEY"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         print(json.dumps(worker(*args.worker)))
         return 0
 
+    rows = ROWS + [f"ours+verify ({args.before_name})"] * (args.before is not None)
     files, _ = bench.ensure_checkpoint(Path(args.dir), args.size_gb, args.files)
     model = files[0].parent
     # The signature covers the weights: the bench's own manifest.json is moved aside.
@@ -151,7 +163,7 @@ def main() -> int:
         samples: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for mode in ("cold", "warm"):
             for run in range(args.runs):
-                order = ROWS[:]
+                order = rows[:]
                 random.Random(run).shuffle(order)
                 for row in order:
                     if mode == "cold":
@@ -159,7 +171,7 @@ def main() -> int:
                         time.sleep(SETTLE_SECONDS)
                     else:
                         bench.prewarm(files)
-                    res = spawn(row, model, signature, public)
+                    res = spawn(row, model, signature, public, args.before)
                     samples.setdefault((row, mode), []).append(res)
                     shown = res.get("error") or f"{res['bytes'] / res['seconds'] / 1e9:.2f} GB/s"
                     print(f"  {mode} run {run + 1}/{args.runs}  {row:<16} {shown}", flush=True)
@@ -180,13 +192,14 @@ def main() -> int:
     size = sum(f.stat().st_size for f in files) / 1e9
     print(f"\nverified loads: {size:.2f} GB in {len(files)} files, median of {args.runs}, "
           "rows rotated, fresh process each")
-    print(f"{'row':<18}{'cold GB/s':>10}{'CPU s/GB':>10}{'warm GB/s':>11}{'CPU s/GB':>10}")
-    for row in ROWS:
+    width = max(18, max(map(len, rows)) + 2)
+    print(f"{'row':<{width}}{'cold GB/s':>10}{'CPU s/GB':>10}{'warm GB/s':>11}{'CPU s/GB':>10}")
+    for row in rows:
         cells = []
         for mode in ("cold", "warm"):
             m = medians.get(row, {}).get(mode)
             cells += [f"{m['gbps']:.2f}", f"{m['cpu_s_per_gb']:.2f}"] if m else ["-", "-"]
-        print(f"{row:<18}{cells[0]:>10}{cells[1]:>10}{cells[2]:>11}{cells[3]:>10}")
+        print(f"{row:<{width}}{cells[0]:>10}{cells[1]:>10}{cells[2]:>11}{cells[3]:>10}")
     ratio = {}
     for mode in ("cold", "warm"):
         get = lambda r: medians.get(r, {}).get(mode, {}).get("gbps")  # noqa: E731
@@ -194,6 +207,8 @@ def main() -> int:
             ratio[mode] = {"vs unverified": get("ours+verify") / get("ours"),
                            "vs oms+safetensors": get("ours+verify") / get("oms+safetensors"),
                            "vs oms+ours": get("ours+verify") / get("oms+ours")}
+            if args.before is not None and get(rows[-1]):
+                ratio[mode][f"vs {rows[-1]}"] = get("ours+verify") / get(rows[-1])
             print(f"{mode}: ours+verify = " + ", ".join(f"{v:.2f}x {k}" for k, v in ratio[mode].items()))
     print("hash rate, one core, warm file: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in rates.items()))
     if len(sums) > 1:
