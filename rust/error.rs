@@ -222,6 +222,22 @@ impl Error {
     }
 }
 
+/// `url` as errors and logs show it: without its query string or fragment, which may hold a
+/// signature, nor the user name and password before its host.
+pub fn shown(url: &str) -> String {
+    let url = url.split(['?', '#']).next().unwrap_or(url);
+    match url.split_once("://") {
+        Some((scheme, rest)) => {
+            let host_end = rest.find('/').unwrap_or(rest.len());
+            match rest[..host_end].rfind('@') {
+                Some(at) => format!("{scheme}://{}", &rest[at + 1..]),
+                None => url.to_owned(),
+            }
+        }
+        None => url.to_owned(),
+    }
+}
+
 /// `text` with every URL in it (`scheme://...`, up to a space or a quote) stripped of its
 /// `user:password@` and its query string and fragment (punctuation that ends the URL's word,
 /// such as the `:` before an error's reason, is kept).

@@ -32,7 +32,7 @@ use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 
 use super::{hex, io_pool, Capabilities, Identity, LocalFile, Source};
-use crate::error::{Error, Result};
+use crate::error::{shown, Error, Result};
 use crate::format::Header;
 use crate::settings::setting;
 
@@ -65,10 +65,10 @@ fn fnv(text: &str) -> u64 {
 
 /// Where the object at `url` of version `identity` is cached under `dir`, and the start of
 /// the name every version of it shares. The URL is taken without its query string and user
-/// name (`super::remote::shown`): a presigned URL's signature changes, its object does not,
+/// name (`error::shown`): a presigned URL's signature changes, its object does not,
 /// and the version in the name tells objects apart.
 fn entry(dir: &Path, url: &str, identity: &Identity) -> (PathBuf, String) {
-    let stem = format!("{:016x}", fnv(&super::remote::shown(url)));
+    let stem = format!("{:016x}", fnv(&shown(url)));
     let version = match identity {
         Identity::Object { len, e_tag, version, .. } => {
             format!("{len}:{}:{}", e_tag.as_deref().unwrap_or(""), version.as_deref().unwrap_or(""))
@@ -105,7 +105,7 @@ pub fn lookup(dir: &Path, url: &str, identity: &Identity, prefix: &[u8]) -> Opti
             let _ = std::fs::remove_file(digests_path(&path));
             eprintln!(
                 "fastsafetensors: {}: the cache entry {} was discarded ({why}); fetching the object again",
-                super::remote::shown(url),
+                shown(url),
                 path.display()
             );
             None

@@ -47,7 +47,7 @@ use super::aws_files;
 use super::cache::CacheWriter;
 use super::in_flight::InFlight;
 use super::{sampled_fingerprint, Capabilities, Identity, LocalFile, Source};
-use crate::error::{Error, Result};
+use crate::error::{shown, Error, Result};
 use crate::format::{self, Header};
 use crate::settings::setting;
 use crate::source;
@@ -114,22 +114,6 @@ impl RemoteSettings {
 /// Whether `path` is a URL this module reads (`s3://`, `gs://`, `az://`, `http(s)://`, ...).
 pub fn is_url(path: &Path) -> bool {
     path.to_str().is_some_and(|s| s.split_once("://").is_some_and(|(scheme, _)| SCHEMES.contains(&scheme)))
-}
-
-/// `url` as errors and logs show it: without its query string or fragment, which may hold a
-/// signature, nor the user name and password before its host.
-pub fn shown(url: &str) -> String {
-    let url = url.split(['?', '#']).next().unwrap_or(url);
-    match url.split_once("://") {
-        Some((scheme, rest)) => {
-            let host_end = rest.find('/').unwrap_or(rest.len());
-            match rest[..host_end].rfind('@') {
-                Some(at) => format!("{scheme}://{}", &rest[at + 1..]),
-                None => url.to_owned(),
-            }
-        }
-        None => url.to_owned(),
-    }
 }
 
 /// The runtime the requests run on: built once, a worker thread per core (2 to 8): they
