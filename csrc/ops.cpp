@@ -284,6 +284,11 @@ bool check_range(std::string file, int64_t offset, Tensor data, int64_t handle) 
   return true;
 }
 
+bool check_finish(std::string file, int64_t handle) {
+  call_rust([&] { rs::check_finish(file, handle); });
+  return true;
+}
+
 // A streaming load: `next()` returns the next group of tensors, in read order, as soon as its
 // bytes have arrived, while the reads of later groups go on in the background. Each tensor keeps
 // the buffer of its group alive; destroying the stream stops its reads. To the CPU, groups are
@@ -554,6 +559,7 @@ FST_LIBRARY(m) {
         " str? max_memory=None, int chunk=0, int handle=-1) -> str");
   m.def("read_range(str file, int offset, Tensor(a!) out, str? reader=None, int handle=-1) -> str");
   m.def("check_range(str file, int offset, Tensor data, int handle) -> bool");
+  m.def("check_finish(str file, int handle) -> bool");
   m.def("keys(str file) -> str[]");
   m.def("check_device(str device) -> str");
   m.def("checkpoint(str path) -> (str[] files, str? index, str[] problems)");
@@ -592,6 +598,7 @@ FST_LIBRARY_IMPL(m) {
   m.impl("open_handle", FST_KERNEL(open_handle));
   m.impl("verify_tree", FST_KERNEL(verify_tree));
   m.impl("check_range", FST_KERNEL(check_range));
+  m.impl("check_finish", FST_KERNEL(check_finish));
   m.impl("close_handle", FST_KERNEL(close_handle));
   m.impl("cancel_handle", FST_KERNEL(cancel_handle));
   m.impl("save", FST_KERNEL(save));

@@ -323,13 +323,17 @@ mod ffi {
             ready: u64,
         ) -> Result<String>;
 
-        /// Checks `len` bytes at host `address`, file `path`'s bytes from `offset` on (with the
-        /// header hashed from `handle`'s parse), against the manifest `handle` was opened to
-        /// verify with: what a rank of a shared load does for the files it is given to check.
+        /// Feeds `len` bytes at host `address`, file `path`'s bytes from `offset` on, to the
+        /// file's check in the verified shared load planned last from `handle` (`share_load`):
+        /// what the rank checking a file for the group does with each buffer of it, in order.
         ///
         /// # Safety
         /// `len` bytes at `address` are readable until this returns.
         unsafe fn check_range(path: &str, offset: i64, address: u64, len: u64, handle: i64) -> Result<()>;
+
+        /// Whether file `path` matched its manifest, once `check_range` was given every buffer
+        /// of it: an error naming what did not.
+        fn check_finish(path: &str, handle: i64) -> Result<()>;
 
         /// torch's name for the dtype of `c10::ScalarType` number `code` ("bfloat16").
         fn torch_dtype_name(code: i32) -> String;
@@ -576,7 +580,14 @@ unsafe fn check_range(path: &str, offset: i64, address: u64, len: u64, handle: i
         let files = opened(handle)?.ok_or_else(|| Error::InvalidArgument("check_range: no handle".into()))?;
         // SAFETY: the caller's contract.
         let bytes = unsafe { std::slice::from_raw_parts(address as *const u8, len as usize) };
-        files.check_bytes(Path::new(path), offset, bytes)
+        files.check_shared(Path::new(path), offset, bytes)
+    })
+}
+
+fn check_finish(path: &str, handle: i64) -> Result<()> {
+    guard(|| {
+        let files = opened(handle)?.ok_or_else(|| Error::InvalidArgument("check_finish: no handle".into()))?;
+        files.finish_shared(Path::new(path))
     })
 }
 
@@ -646,15 +657,26 @@ fn share_load(
         };
         let chunk = if chunk == 0 { fanout::DEFAULT_CHUNK } else { chunk }.min(max_len);
         let planned = plan_selected(paths, selection, handle)?;
-        if !planned.checks.files.is_empty() && streamed {
-            // A shared stream hands out each buffer as it arrives, before its file is whole.
-            return Err(Error::InvalidArgument(
-                "verify= with process_group= is supported for load() (the group checks each file once the \
-                 exchange has given a rank the whole of it), not for streams"
-                    .into(),
-            ));
-        }
         let shared = planned.share(world, max_len, chunk)?;
+        // A verified load: each file is checked by one rank, from the buffers the exchange
+        // filled (the plan's checks know what the load hands out); files go to the ranks
+        // with the fewest bytes to hash so far, largest first.
+        let mut checkers = vec![-1i64; planned.sources.len()];
+        if !planned.checks.files.is_empty() {
+            let mut bytes = vec![0u64; planned.sources.len()];
+            shared.iter().for_each(|s| bytes[s.extent.file] += s.extent.expected);
+            let mut load = vec![0u64; world];
+            let mut order: Vec<usize> = (0..bytes.len()).filter(|&f| bytes[f] > 0).collect();
+            order.sort_by_key(|&f| std::cmp::Reverse(bytes[f]));
+            for f in order {
+                let r = (0..world).min_by_key(|&r| load[r]).expect("a group has a rank");
+                load[r] += bytes[f];
+                checkers[f] = r as i64;
+            }
+            if let Some(files) = opened(handle)? {
+                files.share_checks(planned.checks.clone());
+            }
+        }
         let mut buffers = vec![0; planned.tensors.len()];
         for (k, s) in shared.iter().enumerate() {
             buffers[s.extent.tensors.clone()].fill(k);
@@ -686,8 +708,9 @@ fn share_load(
         // bytes on another rank (another working directory, another mount, another copy).
         // A rank alone reads for no other.
         let fingerprints = if world > 1 { planned.fingerprints()? } else { Vec::new() };
-        let plan =
-            serde_json::json!({"files": files, "buffers": buffers, "tensors": tensors, "fingerprints": fingerprints});
+        let plan = serde_json::json!({
+            "files": files, "buffers": buffers, "tensors": tensors, "fingerprints": fingerprints, "checkers": checkers,
+        });
         Ok(plan.to_string())
     })
 }

@@ -435,9 +435,9 @@ class _Interruptible:
         return _interruptible(lambda: load(self), self._device, self._interrupt)
 
 
-_VERIFY_SHARED = ("verify= is not supported with shard= or with a shared stream yet: no rank holds every byte of "
-                  "a file to hash. Load with process_group= alone (the group checks each file once), verify the "
-                  "files once first (fastsafetensors-rs verify), or load without a group")
+_VERIFY_SHARED = ("verify= is not supported with shard= yet: no rank holds every byte of a file to hash. Load with "
+                  "process_group= alone (the group checks each file once), verify the files once first "
+                  "(fastsafetensors-rs verify), or load without a group")
 
 
 def _cache_dir(cache_dir: Optional[PathLike]) -> Optional[str]:
@@ -631,11 +631,9 @@ def stream(
     target, cast = _device_name(device), cast_dtype(dtype)
     cache = _cache_dir(cache_dir)
     checked = verify_spec(verify, paths)
-    if checked is not None and _shared(process_group):
-        raise ValueError(_VERIFY_SHARED)
     if _shared(process_group):
         shared = distributed.SharedLoad(paths, target, cast, reader, patterns, mode, process_group, budget, True,
-                                        cache_dir=cache)
+                                        cache_dir=cache, verify=checked)
         _nothing_selected(patterns, mode, shared.tensor_count, paths)
         return distributed.SharedTensors(shared)
     if any(map(is_url, paths)):

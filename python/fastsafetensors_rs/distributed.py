@@ -43,9 +43,17 @@ from ._dtypes import CASTABLE, DTYPES, torch_shape
 from ._logging import redact
 from ._ops import checkpoint_files, describe, ops
 
-__all__ = ["node_group", "group_size", "SharedLoad", "SharedTensors", "sharded_load", "block"]
+__all__ = ["node_group", "group_size", "SharedLoad", "SharedTensors", "sharded_load", "block", "verified_bytes"]
 
 _PAGE = 4096
+# Bytes this process has hashed for the groups' verified loads (`verified_bytes()`).
+_verified_bytes = [0]
+
+
+def verified_bytes() -> int:
+    """Bytes this process has hashed so far for verified loads shared with a group: the files
+    the plans gave this rank to check (about 1/world of each load's bytes)."""
+    return _verified_bytes[0]
 # One node-local group per parent group, made once (every rank must make every group).
 _node_groups: Dict[Any, Any] = {}
 
@@ -134,17 +142,15 @@ class SharedLoad:
                    "streamed": streamed, "verify": verify}
         self._own_handle = handle == -1
         self._handle = -1
-        # A verified load (`verify`: the op's argument): each file is hashed once, by one rank,
-        # from the buffer the exchange filled; every rank learns the outcome before returning.
-        self._verify = verify
+        # A verified load (`verify`: the op's argument): each file is hashed once, by the rank
+        # the plan names (`checkers`), from the buffers the exchange filled, in file order;
+        # every rank learns the verdicts before returning (a stream: before handing out any
+        # tensor of a later file).
         self._verify_failure: Optional[str] = None
         self.plan: Dict[str, Any] = {}
         failure = None
         try:  # a failure here is every rank's: it goes to the others before raising
             self._check_backend()
-            if verify is not None and self._device.type != "cpu":
-                raise ValueError("verify= with process_group= checks the bytes in host memory: load to the CPU, "
-                                 "or load without a process_group (each rank then verifies what it reads)")
             files = paths if not self._own_handle else checkpoint_files(paths)
             self._handle = ops.open_handle(files, cache_dir, verify) if self._own_handle else handle
             text = ops.share_load(files, dtype, patterns, mode, self.world, (max_memory or "") if streamed else None,
@@ -160,6 +166,12 @@ class SharedLoad:
         except BaseException:
             self.close()
             raise
+        self._streamed = streamed
+        # Whether the handle verifies (`verify`, or a handle opened to verify): the plan names
+        # the rank checking each file it reads.
+        self._verifying = any(c >= 0 for c in self.plan.get("checkers", []))
+        # Each file's last buffer: where the rank checking it has fed it all.
+        self._last_of_file = {buf["file"]: b for b, buf in enumerate(self.plan["buffers"])}
         self.tensor_count = len(self.plan["tensors"])
         self.byte_count = sum(t["nbytes"] for t in self.plan["tensors"])
 
@@ -236,7 +248,7 @@ class SharedLoad:
             done = self._finish(pending, failure, memory, specs)
             if done is not None:
                 yield done
-        if self._verify is not None:
+        if self._verifying:
             self._check_verified()
         self.close()
 
@@ -250,13 +262,29 @@ class SharedLoad:
             return None
         self._check_reads(failure)
         mem = memory.pop(b)
-        if self._verify is not None and b % self.world == self.rank and self._verify_failure is None:
-            buf = self.plan["buffers"][b]
-            try:
-                ops.check_range(self.plan["files"][buf["file"]], buf["start"], mem[:buf["len"]], self._handle)
-            except RuntimeError as e:
-                self._verify_failure = str(e)
+        if self._verifying:
+            self._check_buffer(b, mem)
+            if self._streamed and self._last_of_file[self.plan["buffers"][b]["file"]] == b:
+                self._check_verified()  # before any tensor of a later file
         return [(t["name"], _tensor(t, mem)) for t in specs[b]]
+
+    def _check_buffer(self, b: int, mem: torch.Tensor) -> None:
+        """On the rank that checks buffer `b`'s file: its bytes fed to the file's check (from
+        host memory: a copy of a device buffer, the very bytes its tensors are views of), and
+        after the file's last buffer, the file's verdict kept for `_check_verified`."""
+        buf = self.plan["buffers"][b]
+        file = buf["file"]
+        if self.plan["checkers"][file] != self.rank or self._verify_failure is not None:
+            return
+        path = self.plan["files"][file]
+        data = mem[:buf["len"]]
+        try:
+            ops.check_range(path, buf["start"], data if data.device.type == "cpu" else data.to("cpu"), self._handle)
+            _verified_bytes[0] += data.numel()
+            if self._last_of_file[file] == b:
+                ops.check_finish(path, self._handle)
+        except RuntimeError as e:
+            self._verify_failure = str(e)
 
     def _check_verified(self) -> None:
         """Every rank's verdicts on the files it checked: a mismatch anywhere raises the same
@@ -266,8 +294,9 @@ class SharedLoad:
         for r, failed in enumerate(verdicts):
             if failed:
                 self.close()
+                outcome = "no tensor of a later file was handed out" if self._streamed else "nothing was loaded"
                 raise RuntimeError(f"{failed} (checked by rank {r} of the {self.world} ranks loading together; "
-                                   "nothing was loaded)")
+                                   f"{outcome})")
 
     def _check_reads(self, failure: Optional[str]) -> None:
         ok = torch.tensor([failure is None], dtype=torch.int32, device=self._device)

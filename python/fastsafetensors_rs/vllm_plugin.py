@@ -260,11 +260,10 @@ def make_loader_class(default_loader: type, weight_utils: Any) -> type:
             # Other ranks' experts are not read at all: the selection is made from the headers.
             keep = None if skip is None else functools.partial(_is_kept, skip)
             device = torch.device(opts.get("device") or _default_device(self.load_config))
-            # Ranks that select different tensors (their own experts) cannot share reads, and a
-            # verified load is read whole by each rank (a shared one is not verified yet).
+            # Ranks that select different tensors (their own experts) cannot share reads. A
+            # verified load shares them too: each file is hashed once in the group.
             verify = opts.get("verify")
-            share = "none" if verify is not None else opts.get("share") or "tp"
-            group = _sharing_group(share, device) if skip is None else None
+            group = _sharing_group(opts.get("share") or "tp", device) if skip is None else None
             weights: Iterable[Tuple[str, torch.Tensor]] = weights_iterator(
                 sorted(files),
                 _show_progress(bool(getattr(self.load_config, "use_tqdm_on_load", False))),

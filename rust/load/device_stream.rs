@@ -64,7 +64,7 @@ impl DeviceStream {
     pub fn open(planned: Planned, options: &StreamOptions) -> Result<DeviceStream> {
         let checks = planned.checks.clone();
         let (sources, groups) = stream::plan_groups(planned, options);
-        stream::check_coverage(&checks, &groups)?;
+        checks.require_covered(groups.iter().map(|(e, t)| (e, &t[..])))?;
         let how = load::choose_reads(&sources, groups.iter().map(|(e, _)| e), options.reader, false, false)?;
         let readers = sources
             .into_iter()

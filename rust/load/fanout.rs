@@ -30,8 +30,14 @@ impl Planned {
         let policy = ExtentPolicy { max_len, ..ExtentPolicy::default() };
         let extents = plan::plan_extents(&self.tensors, &self.file_lens(), &policy);
         // A verified load reads what its checks need: whole files, or whole shards and the
-        // header's, as a load of one process does.
-        let extents = self.checks.widen(extents, &self.tensors, &self.file_lens())?;
+        // header's, as a load of one process does; a stream (a budget) refuses a selection
+        // that would need more, as a stream of one process does.
+        let extents = if max_len == u64::MAX {
+            self.checks.widen(extents, &self.tensors, &self.file_lens())?
+        } else {
+            self.checks.require_covered(extents.iter().map(|e| (e, &self.tensors[e.tensors.clone()])))?;
+            extents
+        };
         Ok(fanout::share(extents, world, chunk))
     }
 

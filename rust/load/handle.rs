@@ -31,7 +31,7 @@ use crate::format::Header;
 use crate::load::{checkpoint, Checks, Planned};
 use crate::plan::{self, Placement};
 use crate::source::{self, Source};
-use crate::verify::Verifier;
+use crate::verify::{FileCheck, Verifier};
 
 /// Files opened together, with their headers and where each tensor is.
 pub struct OpenFiles {
@@ -44,6 +44,9 @@ pub struct OpenFiles {
     by_name: HashMap<String, usize>,
     /// What every load of these files is verified against (`None`: not verified).
     verifier: Option<Verifier>,
+    /// The checks of the shared load planned last from these files ([`OpenFiles::share_checks`]):
+    /// what this rank hashes of the files it checks for the group, fed in file order.
+    shared_checks: Mutex<Checks>,
 }
 
 impl OpenFiles {
@@ -85,7 +88,15 @@ impl OpenFiles {
             start += header.tensors.len();
         }
         let by_name = tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
-        Ok(OpenFiles { sources, headers, tensors, file_tensors, by_name, verifier: None })
+        Ok(OpenFiles {
+            sources,
+            headers,
+            tensors,
+            file_tensors,
+            by_name,
+            verifier: None,
+            shared_checks: Mutex::new(Checks::default()),
+        })
     }
 
     /// Every later load of these files verified against `verifier`: a file the manifest does
@@ -101,22 +112,37 @@ impl OpenFiles {
         Ok(self)
     }
 
-    /// Checks `bytes`, file `path`'s from `offset` on, against the verifier these files were
-    /// opened with (the header hashed from the parse): the whole file, or each shard they
-    /// cover. An error if the handle does not verify.
-    pub fn check_bytes(&self, path: &Path, offset: u64, bytes: &[u8]) -> Result<()> {
-        let file = self.file(path)?;
-        let verifier = self.verifier.as_ref().ok_or_else(|| {
-            Error::InvalidArgument(format!("{}: the handle was not opened to verify", path.display()))
-        })?;
-        let check = verifier.check_for(path, &self.headers[file])?;
-        // What a shared load hands out of these bytes lies in the digests they cover whole (its
-        // plan reads those, and the header's); the rest only fills the last aligned read.
-        let end = offset + bytes.len() as u64;
-        check.hand_out(&[(offset, Some(check.digest_boundary_before(end)).filter(|&b| b > offset).unwrap_or(end))]);
-        // SAFETY: `bytes` outlive the check, which is finished (and dropped) here.
-        unsafe { check.landed(offset, bytes) };
-        check.finish()
+    /// Keeps `checks`, those of a shared load just planned from these files (which know the
+    /// bytes the load hands out), for [`OpenFiles::check_shared`] to feed: the files this rank
+    /// checks for the group.
+    pub fn share_checks(&self, checks: Checks) {
+        *self.shared_checks.lock().unwrap_or_else(PoisonError::into_inner) = checks;
+    }
+
+    /// File `path`'s check in the shared load planned last (an error if it is not verified).
+    fn shared_check(&self, path: &Path) -> Result<Arc<FileCheck>> {
+        let checks = self.shared_checks.lock().unwrap_or_else(PoisonError::into_inner);
+        checks.files.iter().find(|c| c.path() == path).cloned().ok_or_else(|| {
+            Error::InvalidArgument(format!("{}: no verified shared load of it was planned from this handle", path.display()))
+        })
+    }
+
+    /// Feeds `bytes`, file `path`'s from `offset` on, to its check in the shared load planned
+    /// last (what the rank checking a file does with each buffer of it, in order, once the
+    /// exchange has filled it). A digest those bytes complete that does not match is the error.
+    pub fn check_shared(&self, path: &Path, offset: u64, bytes: &[u8]) -> Result<()> {
+        let check = self.shared_check(path)?;
+        check.landed_transient(offset, bytes);
+        if check.has_failed() {
+            return check.finish();
+        }
+        Ok(())
+    }
+
+    /// Whether file `path` is what the manifest says, once every buffer of it was fed
+    /// ([`FileCheck::finish`]).
+    pub fn finish_shared(&self, path: &Path) -> Result<()> {
+        self.shared_check(path)?.finish()
     }
 
     /// The checks of a load of files `files` (indexes), fresh for each load.

@@ -85,6 +85,31 @@ impl Checks {
         self.files.iter().try_for_each(|c| c.finish())
     }
 
+    /// For a load that reads `groups` (extents and the tensors each hands out) and nothing
+    /// more (a stream, within its budget): tells each check which bytes the load hands out, and
+    /// refuses, before anything is read, a selection that leaves out part of what a digest
+    /// covers (a verified stream reads whole files, or whole shards and the header's).
+    pub(crate) fn require_covered<'a>(
+        &self,
+        groups: impl Iterator<Item = (&'a Extent, &'a [Placement])> + Clone,
+    ) -> Result<()> {
+        for (file, check) in self.files.iter().enumerate() {
+            let mine = groups.clone().filter(|(e, _)| e.file == file);
+            let handed_out: Vec<(u64, u64)> =
+                mine.clone().flat_map(|(_, tensors)| tensors.iter().map(|t| (t.offset, t.offset + t.nbytes))).collect();
+            let Some(span) = check.hand_out(&handed_out) else { continue };
+            if !covers(mine.map(|(e, _)| e), span) {
+                return Err(Error::InvalidArgument(format!(
+                    "{}: a verified stream hands out only what it checks, and this selection reads part of what {} \
+                     has one digest for: stream the whole file, or load the selection with load(), whose full=True reads the rest to check it",
+                    check.path().display(),
+                    check.manifest()
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// Makes `extents` read what the checks need, and tells each check which bytes the load
     /// hands out: a file read in part is read whole where its manifest has one digest for it
     /// (with `full`; without, an error before anything is read), or the whole of each shard

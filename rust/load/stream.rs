@@ -101,30 +101,6 @@ pub(crate) fn plan_groups(planned: Planned, options: &StreamOptions) -> (Vec<Arc
     (planned.sources, groups)
 }
 
-/// A verified stream hands out only bytes it can check: it reads whole files (or, with a
-/// sharded manifest, whole shards), so a selection that leaves out part of a digest's bytes is
-/// refused before anything is read.
-pub(crate) fn check_coverage(checks: &Checks, groups: &[PlannedGroup]) -> Result<()> {
-    for (file, check) in checks.files.iter().enumerate() {
-        let mine: Vec<&Extent> = groups.iter().map(|(e, _)| e).filter(|e| e.file == file).collect();
-        let handed_out: Vec<(u64, u64)> = groups
-            .iter()
-            .filter(|(e, _)| e.file == file)
-            .flat_map(|(_, tensors)| tensors.iter().map(|t| (t.offset, t.offset + t.nbytes)))
-            .collect();
-        let Some(span) = check.hand_out(&handed_out) else { continue };
-        if !load::covers(mine.iter().copied(), span) {
-            return Err(Error::InvalidArgument(format!(
-                "{}: a verified stream hands out only what it checks, and this selection reads part of what {} \
-                 has one digest for: stream the whole file, or load the selection with load(), whose full=True reads the rest to check it",
-                check.path().display(),
-                check.manifest()
-            )));
-        }
-    }
-    Ok(())
-}
-
 /// The group size for a budget: a quarter of it, so that several groups are read while the
 /// consumer works on one, within [`IO_ALIGN`] and [`DEFAULT_GROUP`].
 pub fn group_for(budget: u64) -> u64 {
@@ -178,7 +154,7 @@ impl TensorStream {
         let (tensors, bytes) = (planned.tensors.len(), planned.tensors.iter().map(|t| t.nbytes).sum());
         let checks = planned.checks.clone();
         let (sources, groups) = plan_groups(planned, &options);
-        check_coverage(&checks, &groups)?;
+        checks.require_covered(groups.iter().map(|(e, t)| (e, &t[..])))?;
         // Without a budget the caller keeps everything, as a load that returns it all does.
         let keeps_all = options.budget == u64::MAX;
         let verified = !checks.files.is_empty();

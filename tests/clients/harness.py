@@ -319,8 +319,9 @@ def read_bytes() -> int:
 
 
 def run_ranks(client: str, model: Path, world: int, env: dict | None = None, timeout: float = 600,
-              scenario: str = "ranks") -> List[str]:
-    """`world` processes of scenarios.py joined in one gloo group; returns their CHECKED lines."""
+              scenario: str = "ranks", args: tuple = ()) -> List[str]:
+    """`world` processes of scenarios.py joined in one gloo group (each given `args` too);
+    returns their CHECKED lines."""
     import subprocess
     import sys
 
@@ -329,7 +330,7 @@ def run_ranks(client: str, model: Path, world: int, env: dict | None = None, tim
     full_env = {**os.environ, **(env or {})}
     procs = [
         subprocess.Popen([sys.executable, str(here / "scenarios.py"), scenario, str(model), "--client", client,
-                          "--rank", str(r), "--world", str(world), "--init", str(init)],
+                          "--rank", str(r), "--world", str(world), "--init", str(init), *args],
                          env=full_env, cwd=str(here), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for r in range(world)
     ]

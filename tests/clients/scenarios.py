@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import os
 import sys
 import warnings
@@ -229,7 +230,10 @@ def ranks(args) -> None:
 def plugin_tp(args) -> None:
     """One rank of a vLLM engine with tensor parallelism over `--world` ranks on the CPU: vLLM's
     own process groups (gloo), then the plugin's loader over the whole checkpoint, its files
-    evicted from the page cache first; prints the bytes this rank read from storage."""
+    evicted from the page cache first; prints the bytes this rank read from storage. With
+    `--verify DIGESTS` (a JSON file of the files' digests) the load is verified, the reads still
+    shared, and the bytes this rank hashed are printed too; a wrong digest is printed as the
+    error every rank raised."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.model_loader import get_model_loader
@@ -237,7 +241,10 @@ def plugin_tp(args) -> None:
 
     load_general_plugins()
     model = Path(args.model)
-    config = harness.vllm_config(model, "fastsafetensors_rs")
+    from fastsafetensors_rs.distributed import verified_bytes
+
+    extra = {"verify": {"digests": json.loads(Path(args.verify).read_text())}} if args.verify else None
+    config = harness.vllm_config(model, "fastsafetensors_rs", extra)
     files = harness.checkpoint_files(model)
     with set_current_vllm_config(config):
         init_distributed_environment(world_size=args.world, rank=args.rank, local_rank=args.rank,
@@ -250,11 +257,16 @@ def plugin_tp(args) -> None:
             for f in files:
                 harness.evict(f)
         dist.barrier()
-        before = harness.read_bytes()
-        got = harness.collect(loader.get_all_weights(config.model_config, torch.nn.Module()))
-        read = harness.read_bytes() - before
+        before, hashed = harness.read_bytes(), verified_bytes()
+        try:
+            got = harness.collect(loader.get_all_weights(config.model_config, torch.nn.Module()))
+        except RuntimeError as e:
+            print(f"CHECKED error {' '.join(str(e).split())}")
+            return
+        read, hashed = harness.read_bytes() - before, verified_bytes() - hashed
     check(f"vllm-plugin-tp-rank{args.rank}-of-{args.world}", got, files)
     print(f"CHECKED read_bytes {read}")
+    print(f"CHECKED hashed_bytes {hashed}")
 
 
 def main() -> int:
@@ -268,6 +280,7 @@ def main() -> int:
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--world", type=int, default=1)
     parser.add_argument("--init", default="")
+    parser.add_argument("--verify", default="", help="plugin-tp: a JSON file of the files' digests")
     args = parser.parse_args()
     {"vllm-builtin": vllm_builtin, "vllm-plugin-env": vllm_plugin_env,
      "sglang-builtin": sglang_builtin, "ranks": ranks, "plugin-tp": plugin_tp}[args.scenario](args)

@@ -264,6 +264,31 @@ def test_tensor_parallel_ranks_read_the_checkpoint_once(tmp_path):
     assert 0.9 * total <= read <= 1.1 * total, (read, total)
 
 
+def test_tensor_parallel_ranks_verify_and_still_read_the_checkpoint_once(tmp_path):
+    """`"verify"` in the extra config keeps the ranks' shared reads: the two ranks together
+    read the checkpoint once and hash it once (each file by one of them); a wrong digest
+    fails both ranks alike."""
+    import hashlib
+
+    llama = harness.save_llama(tmp_path, scale=8)
+    files = checkpoint_files(llama)
+    digests = {Path(f).name: "sha256:" + hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in files}
+    good, bad = tmp_path / "digests.json", tmp_path / "wrong.json"
+    good.write_text(json.dumps(digests))
+    last = Path(files[-1]).name
+    bad.write_text(json.dumps({**digests, last: "sha256:" + "0" * 64}))
+    lines = harness.run_ranks("vllm", llama, world=2, scenario="plugin-tp", args=("--verify", str(good)))
+    assert sum(line.startswith("CHECKED vllm-plugin-tp-rank") for line in lines) == 2, lines
+    total = sum(Path(f).stat().st_size for f in files)
+    read = sum(int(line.split()[-1]) for line in lines if line.startswith("CHECKED read_bytes"))
+    hashed = [int(line.split()[-1]) for line in lines if line.startswith("CHECKED hashed_bytes")]
+    assert 0.9 * total <= read <= 1.1 * total, (read, total)
+    assert len(hashed) == 2 and total <= sum(hashed) <= total + 4096 * len(files), (hashed, total)
+    lines = harness.run_ranks("vllm", llama, world=2, scenario="plugin-tp", args=("--verify", str(bad)))
+    errors = [line for line in lines if line.startswith("CHECKED error")]
+    assert len(errors) == 2 and all(f"{last}: digest mismatch" in e for e in errors), lines
+
+
 def test_options_from_model_loader_extra_config(llama):
     """Our keys (reader, prefetch, device, nogds) are taken; vLLM's own keys still pass to
     vLLM; the caller's LoadConfig is left as it was."""

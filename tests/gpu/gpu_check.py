@@ -304,6 +304,36 @@ def child_fanout(path: str) -> dict:
             castable = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
             want = {k: (v.to(dtype) if dtype is not None and v.dtype in castable else v) for k, v in ref.items()}
             results[label] = sorted(got) == sorted(want) and all(same(got[k], want[k]) for k in want)
+        # Verified: each file hashed once in the group, from a host copy of the device buffer the
+        # tensors are views of; a wrong digest fails every rank. Timed beside the unverified load.
+        import hashlib
+
+        from fastsafetensors_rs import Digests
+        from fastsafetensors_rs.verify import spec
+
+        with open(path, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        name = os.path.basename(path)
+        device = f"cuda:{torch.cuda.current_device()}"
+        seconds = {}
+        for label, digests in [("unverified", None), ("verified", {name: digest}), ("wrong", {name: "0" * 64})]:
+            evict([path])
+            dist.barrier()
+            got = None
+            start = time.perf_counter()
+            try:
+                shared = distributed.SharedLoad([path], device, None, None, None, "glob", dist.group.WORLD, None,
+                                                False, verify=None if digests is None else spec(Digests(digests),
+                                                                                                 [path]))
+                got = dict(pair for buffer in shared.buffers() for pair in buffer)
+                torch.cuda.synchronize()
+                seconds[label] = time.perf_counter() - start
+                results[label] = sorted(got) == sorted(ref) and all(same(got[k], ref[k]) for k in ref)
+            except RuntimeError as e:
+                results[label] = f"{name}: digest mismatch" in str(e) and label == "wrong"
+            del got
+        size = os.path.getsize(path)
+        results["rates"] = {k: size / v / 1e9 for k, v in seconds.items()}
         return {"rank": rank, "world": dist.get_world_size(), **results}
     finally:
         dist.destroy_process_group()
@@ -567,6 +597,10 @@ def fanout(tmp: str, pattern: str) -> None:
     ok = "error" not in result and result.get("whole") is True and result.get("cast+filter") is True
     row("fan-out", ok, "a world of one over NCCL: pieces staged to the GPU, all-gathered, bit-exact",
         result.get("error", ""))
+    rates = result.get("rates", {})
+    ok = "error" not in result and result.get("verified") is True and result.get("wrong") is True
+    row("fan-out", ok, "verified over NCCL: bit-exact, a wrong digest refused naming the file",
+        result.get("error", "") or ", ".join(f"{k} {v:.2f} GB/s" for k, v in rates.items()))
     if gpus() < 2:
         row("fan-out", "one GPU", "2 ranks over NCCL on 2 GPUs")
         return

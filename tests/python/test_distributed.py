@@ -137,15 +137,42 @@ class Worker:
 
         import fastsafetensors_rs as fst
 
+        from fastsafetensors_rs.distributed import verified_bytes
+
         digests = {Path(f).name: "sha256:" + hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in self.files}
+        before = verified_bytes()
         out = fst.load(self.files, process_group=self.group, verify=fst.Digests(digests))
+        hashed = verified_bytes() - before
         wrong = {**digests, FILES[-1]: "sha256:" + "0" * 64}
         try:
             fst.load(self.files, process_group=self.group, verify=fst.Digests(wrong))
             error = None
         except RuntimeError as e:
             error = str(e)
-        return {"tensors": out, "error": error}
+        return {"tensors": out, "error": error, "hashed": hashed}
+
+    def verified_stream(self) -> dict:
+        """A verified shared stream (and a verified handle's `tensors()`): bit-exact, each file
+        hashed once in the group; the first file's digest wrong fails every rank at the end of
+        that file, before any tensor of a later file."""
+        import hashlib
+
+        import fastsafetensors_rs as fst
+
+        digests = {Path(f).name: "sha256:" + hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in self.files}
+        out = {n: t.clone() for n, t in fst.stream(self.files, process_group=self.group, max_memory="1M",
+                                                     verify=fst.Digests(digests))}
+        with fst.safe_open(self.files[1:], verify=fst.Digests(digests)) as f:
+            handle = dict(f.tensors(process_group=self.group))
+        wrong = {**digests, FILES[0]: "sha256:" + "0" * 64}
+        seen, error = [], None
+        try:
+            for name, _ in fst.stream(self.files, process_group=self.group, max_memory="1M",
+                                      verify=fst.Digests(wrong)):
+                seen.append(name)
+        except RuntimeError as e:
+            error = str(e)
+        return {"tensors": out, "safe_open": handle, "error": error, "seen": seen}
 
     def verified_shards(self) -> dict:
         """A shared, filtered load verified against a shard manifest: the plan reads the
@@ -333,7 +360,7 @@ def owned(value):
     return value
 
 
-SCENARIOS = ["bulk", "verified", "verified_shards", "filtered", "streamed", "sharded", "mismatch", "plan_failure", "read_failure",
+SCENARIOS = ["bulk", "verified", "verified_stream", "verified_shards", "filtered", "streamed", "sharded", "mismatch", "plan_failure", "read_failure",
              "different_bytes"]
 
 
@@ -426,7 +453,7 @@ def test_each_byte_is_read_by_one_rank(world, ckpt):
         assert abs(b - total / n) <= 0.05 * total / n + 64 * 4096, (read, total)
 
 
-def test_a_verified_load_checks_each_file_once_and_fails_every_rank_alike(world, ref):
+def test_a_verified_load_checks_each_file_once_and_fails_every_rank_alike(world, ref, ckpt):
     n, results = world
     errors = {r["verified"]["error"] for r in results}
     assert len(errors) == 1, errors
@@ -436,6 +463,28 @@ def test_a_verified_load_checks_each_file_once_and_fails_every_rank_alike(world,
         assert "checked by rank" in error, error
     for r in results:
         U.assert_same_dict(r["verified"]["tensors"], ref)
+    if n == 1:
+        return  # a group of one loads as a process alone does
+    # Each file hashed once in the group, by one rank: the ranks' bytes add up to the files'
+    # (each rounded up to whole pages), and no rank hashes more than its share or one file.
+    hashed = [r["verified"]["hashed"] for r in results]
+    pages = sum(-(-(ckpt / f).stat().st_size // 4096) * 4096 for f in FILES)
+    assert sum(hashed) == pages, (hashed, pages)
+    biggest = max((ckpt / f).stat().st_size for f in FILES)
+    assert max(hashed) <= max(pages / n, biggest) + 4096, hashed
+
+
+def test_a_verified_stream_hashes_each_file_once_and_stops_every_rank_before_the_next_file(world, ref):
+    n, results = world
+    names_of_first = set(checkpoint_tensors()[0])
+    for r in results:
+        got = r["verified_stream"]
+        U.assert_same_dict(got["tensors"], ref)
+        U.assert_same_dict(got["safe_open"], {k: v for k, v in ref.items() if k not in names_of_first})
+        assert got["error"] is not None and f"{FILES[0]}: digest mismatch" in got["error"], got["error"]
+        if n > 1:
+            assert "no tensor of a later file was handed out" in got["error"], got["error"]
+        assert set(got["seen"]) <= names_of_first, "a tensor of a later file was handed out"
 
 
 def test_a_verified_filtered_load_of_a_shard_manifest_fails_every_rank_on_an_edited_shard(world, ckpt):
