@@ -381,14 +381,20 @@ def test_the_fastsafetensors_compatible_loader_verifies_each_ranks_files(model):
         loader.copy_files_to_device()
 
 
-def test_from_pretrained_under_the_patch_verifies_the_weights(tmp_path):
+def _tiny_llama(tmp_path: Path, seed: int):
+    """transformers and a tiny random Llama saved in shards of 20 KB: (transformers, its directory)."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
                                       max_position_embeddings=64)
-    torch.manual_seed(7)
+    torch.manual_seed(seed)
     directory = tmp_path / "llama"
     transformers.LlamaForCausalLM(config).save_pretrained(str(directory), max_shard_size="20KB")
+    return transformers, directory
+
+
+def test_from_pretrained_under_the_patch_verifies_the_weights(tmp_path):
+    transformers, directory = _tiny_llama(tmp_path, 7)
     weights = sorted(p.name for p in directory.glob("*.safetensors"))
     assert len(weights) > 1
     digests = Digests({name: _sha256(directory / name) for name in weights})
@@ -608,13 +614,7 @@ def test_an_index_is_checked_and_a_mistral_style_directory_loads(tmp_path, model
 
 
 def test_from_pretrained_refuses_a_signed_shard_deleted_and_the_index_edited(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
-                                      max_position_embeddings=64)
-    torch.manual_seed(8)
-    directory = tmp_path / "llama"
-    transformers.LlamaForCausalLM(config).save_pretrained(str(directory), max_shard_size="20KB")
+    transformers, directory = _tiny_llama(tmp_path, 8)
     private, public = _keypair(tmp_path / "keys")
     signature = tmp_path / "llama.sig"
     _sign(directory, private, signature)
