@@ -240,17 +240,52 @@ pub fn verifier_from_spec(spec: &str, paths: &[PathBuf]) -> Result<Verifier> {
 /// A signature file's bytes, local or at a URL (it is small).
 fn read_whole(path: &Path) -> Result<Vec<u8>> {
     const MAX: u64 = 64 << 20;
+    if !crate::source::remote::is_url(path) {
+        return read_small_file(path, MAX, "a signature");
+    }
     let src = crate::source::open(path)?;
     if src.len() > MAX {
-        return Err(Error::ManifestUnsupported {
-            signature: path.display().to_string(),
-            why: format!("{} bytes: too large for a signature (at most {MAX})", src.len()),
-        });
+        return Err(too_large(path, src.len(), MAX, "a signature"));
     }
     let mut bytes = vec![0u8; src.len() as usize];
     let got = src.read_at(&mut bytes, 0)?;
     bytes.truncate(got);
     Ok(bytes)
+}
+
+/// The bytes of a small local file a verification reads whole (`what`: a signature, a key or
+/// certificate file): a regular file of at most `max` bytes, refused in one line otherwise. It
+/// is opened without waiting (a FIFO is refused, not waited on), checked before anything is
+/// read (a device is refused unread) and read no further than `max` bytes (a file that grows
+/// as it is read is refused, not followed).
+pub(crate) fn read_small_file(path: &Path, max: u64, what: &str) -> Result<Vec<u8>> {
+    use std::io::Read as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .map_err(|e| Error::io(path, "open", e))?;
+    let meta = file.metadata().map_err(|e| Error::io(path, "stat", e))?;
+    if !meta.is_file() {
+        return Err(Error::NotAFile { path: path.to_owned() });
+    }
+    if meta.len() > max {
+        return Err(too_large(path, meta.len(), max, what));
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    file.take(max + 1).read_to_end(&mut bytes).map_err(|e| Error::io(path, "read", e))?;
+    if bytes.len() as u64 > max {
+        return Err(too_large(path, bytes.len() as u64, max, what));
+    }
+    Ok(bytes)
+}
+
+fn too_large(path: &Path, len: u64, max: u64, what: &str) -> Error {
+    Error::ManifestUnsupported {
+        signature: path.display().to_string(),
+        why: format!("{len} bytes or more: too large for {what} (at most {max} bytes are read)"),
+    }
 }
 
 /// What [`verify_tree`] found for one file.
