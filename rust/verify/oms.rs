@@ -63,7 +63,7 @@ use serde::Deserialize;
 use serde_json::Value;
 use x509_parser::x509::SubjectPublicKeyInfo;
 
-use super::{Algorithm, Digest, Expected, Manifest, Shard};
+use super::{Algorithm, Digest, Expected, Manifest, Shard, SINGLE_FILE};
 use crate::error::{Error, Result};
 
 /// What a signature is checked against.
@@ -94,12 +94,17 @@ pub fn read_signature(bundle: &[u8], name: &str, trust: &Trust) -> Result<Manife
         }
         Trust::Sigstore { identity, .. } => format!("{name} (sigstore identity {identity})"),
     };
-    let files = read(bundle, trust).map_err(|fail| match fail {
+    let statement = read(bundle, trust).map_err(|fail| match fail {
         Fail::Invalid(why) => Error::SignatureInvalid { signature: name.to_owned(), why },
         Fail::Unsupported(why) => Error::ManifestUnsupported { signature: name.to_owned(), why },
         Fail::Io(e) => e,
     })?;
-    Ok(Manifest { files, origin })
+    Ok(Manifest {
+        files: statement.files,
+        origin,
+        ignored: statement.ignored,
+        allow_symlinks: statement.allow_symlinks,
+    })
 }
 
 const BUNDLE_MEDIA_TYPE: &str = "application/vnd.dev.sigstore.bundle.v0.3+json";
@@ -207,7 +212,7 @@ struct EnvelopeSignature {
     keyid: Option<String>,
 }
 
-fn read(bundle: &[u8], trust: &Trust) -> Check<BTreeMap<String, Expected>> {
+fn read(bundle: &[u8], trust: &Trust) -> Check<Statement> {
     if let Trust::Sigstore { .. } = trust {
         return unsupported(KEYLESS);
     }
@@ -286,7 +291,7 @@ fn read(bundle: &[u8], trust: &Trust) -> Check<BTreeMap<String, Expected>> {
         ));
     }
     signer.verify(&payload, signature)?;
-    manifest_of(&payload)
+    statement_of(&payload)
 }
 
 /// Whether `value` has no list where [`Bundle`] reads an object (the lists it reads are
@@ -566,9 +571,25 @@ fn array<'v>(value: &'v Value, key: &str, path: &str) -> Check<&'v Vec<Value>> {
         .ok_or_else(|| Fail::Unsupported(format!("the statement's {path} is not a list")))
 }
 
-/// The files a verified payload (an in-toto statement, JSON) lists, checked as model_signing
-/// checks it.
+/// What a signed statement says of the model.
+#[derive(Debug, Default)]
+struct Statement {
+    files: BTreeMap<String, Expected>,
+    /// The serialization's `ignore_paths`, as relative names.
+    ignored: Vec<String>,
+    /// The serialization's `allow_symlinks` (a v0.1 statement has none).
+    allow_symlinks: Option<bool>,
+}
+
+/// The files a verified payload lists.
+#[cfg(test)]
 fn manifest_of(payload: &[u8]) -> Check<BTreeMap<String, Expected>> {
+    statement_of(payload).map(|s| s.files)
+}
+
+/// What a verified payload (an in-toto statement, JSON) says, checked as model_signing checks
+/// it.
+fn statement_of(payload: &[u8]) -> Check<Statement> {
     let statement: Value = serde_json::from_slice(payload)
         .map_err(|e| Fail::Unsupported(format!("the signed payload is not JSON: {e}")))?;
     let kind = string(&statement, "_type", "_type")?;
@@ -578,7 +599,7 @@ fn manifest_of(payload: &[u8]) -> Check<BTreeMap<String, Expected>> {
     let predicate_type = string(&statement, "predicateType", "predicateType")?;
     match predicate_type {
         PREDICATE_TYPE => {}
-        PREDICATE_TYPE_V01 => return manifest_v01(&statement),
+        PREDICATE_TYPE_V01 => return Ok(Statement { files: manifest_v01(&statement)?, ..Statement::default() }),
         _ => {
             return unsupported(format!(
                 "the statement's predicate type is '{predicate_type}', not model_signing's {PREDICATE_TYPE}"
@@ -597,7 +618,28 @@ fn manifest_of(payload: &[u8]) -> Check<BTreeMap<String, Expected>> {
     let serialization = field(predicate, "serialization", "predicate.serialization")?;
     let method = string(serialization, "method", "predicate.serialization.method")?;
     let hash_type = string(serialization, "hash_type", "predicate.serialization.hash_type")?;
-    field(serialization, "allow_symlinks", "predicate.serialization.allow_symlinks")?;
+    let allow_symlinks =
+        field(serialization, "allow_symlinks", "predicate.serialization.allow_symlinks")?.as_bool().ok_or_else(
+            || Fail::Unsupported("the statement's predicate.serialization.allow_symlinks is not true or false".into()),
+        )?;
+    let ignored = match serialization.get("ignore_paths") {
+        None => Vec::new(),
+        Some(_) => array(serialization, "ignore_paths", "predicate.serialization.ignore_paths")?
+            .iter()
+            .enumerate()
+            .map(|(i, path)| {
+                path.as_str().ok_or_else(|| {
+                    Fail::Unsupported(format!(
+                        "the statement's predicate.serialization.ignore_paths[{i}] is not a string"
+                    ))
+                })
+            })
+            .collect::<Check<Vec<&str>>>()?
+            .into_iter()
+            // model_signing drops a path outside the model's directory: it names no file of it.
+            .filter_map(|path| file_name(path).ok())
+            .collect(),
+    };
     let shard_size = match method {
         "files" => None,
         "shards" => Some(shard_size(field(serialization, "shard_size", "predicate.serialization.shard_size")?)?),
@@ -676,7 +718,8 @@ fn manifest_of(payload: &[u8]) -> Check<BTreeMap<String, Expected>> {
             }
         }
     }
-    Ok(files)
+    single_file_alone(&files)?;
+    Ok(Statement { files, ignored, allow_symlinks: Some(allow_symlinks) })
 }
 
 /// model_signing 0.2's statement: a subject (name and sha256) per file.
@@ -689,7 +732,19 @@ fn manifest_v01(statement: &Value) -> Check<BTreeMap<String, Expected>> {
         let digest = Digest::from_hex("sha256", hex).map_err(|why| Fail::Unsupported(format!("'{name}': {why}")))?;
         add(&mut files, file_name(name)?, Expected::Whole(digest))?;
     }
+    single_file_alone(&files)?;
     Ok(files)
+}
+
+/// That a signature of a single file (model_signing names its file `.`) lists nothing else: a
+/// model is a file or a directory, never both.
+fn single_file_alone(files: &BTreeMap<String, Expected>) -> Check<()> {
+    if files.contains_key(SINGLE_FILE) && files.len() > 1 {
+        return unsupported(format!(
+            "'{SINGLE_FILE}' (the file of a signature of a single file) is listed beside other files"
+        ));
+    }
+    Ok(())
 }
 
 fn add(files: &mut BTreeMap<String, Expected>, name: String, expected: Expected) -> Check<()> {
@@ -716,7 +771,8 @@ fn shard_size(value: &Value) -> Check<u64> {
 }
 
 /// A resource name as model_signing reads it (a `PurePosixPath`: `a//./b` is `a/b`), which must
-/// name a file inside the model's directory.
+/// name a file inside the model's directory, or be `.` (`""`, `./.`): the file of a signature of
+/// a single file.
 fn file_name(name: &str) -> Check<String> {
     if name.starts_with('/') {
         return unsupported(format!("'{name}' is an absolute path, not a file of the model's directory"));
@@ -726,7 +782,7 @@ fn file_name(name: &str) -> Check<String> {
         return unsupported(format!("'{name}' leads out of the model's directory (..)"));
     }
     if parts.is_empty() {
-        return unsupported(format!("'{name}' names no file"));
+        return Ok(SINGLE_FILE.to_owned());
     }
     Ok(parts.join("/"))
 }
@@ -1280,6 +1336,37 @@ mod tests {
             ])
         );
         assert_eq!(m["g"], Expected::Shards(vec![Shard { start: 0, end: 5, digest: sha(H3) }]));
+        // A signature of a single file: its name is `.` (PurePosixPath("") and "./." too), as a
+        // file and as shards.
+        for name in [".", "", "./."] {
+            let m = manifest_of(&statement(files("sha256"), &[(name, "sha256", H1)])).expect("a single file");
+            assert_eq!(m, BTreeMap::from([(".".into(), Expected::Whole(sha(H1)))]), "{name:?}");
+        }
+        let m = manifest_of(&statement(
+            shards("sha256", json!(1000)),
+            &[(".:0:1000", "sha256-sharded-1000", H1), ("./:1000:1200", "sha256-sharded-1000", H2)],
+        ))
+        .expect("a single file's shards");
+        assert_eq!(
+            m["."],
+            Expected::Shards(vec![
+                Shard { start: 0, end: 1000, digest: sha(H1) },
+                Shard { start: 1000, end: 1200, digest: sha(H2) }
+            ])
+        );
+        // What the serialization records: the paths left out (those outside the model dropped,
+        // as model_signing drops them), and whether links were followed.
+        let recorded = statement_of(&statement(
+            json!({"method": "files", "hash_type": "sha256", "allow_symlinks": true,
+                "ignore_paths": ["ignore-me", "./sub//", "../out", "/abs", ".git"]}),
+            &[("a", "sha256", H1)],
+        ))
+        .expect("statement");
+        assert_eq!(recorded.ignored, ["ignore-me", "sub", ".git"]);
+        assert_eq!(recorded.allow_symlinks, Some(true));
+        let unrecorded = statement_of(&statement(files("sha256"), &[])).expect("statement");
+        assert!(unrecorded.ignored.is_empty());
+        assert_eq!(unrecorded.allow_symlinks, Some(false));
         // No resources: an empty manifest (model_signing's verify then finds every file extra).
         assert!(manifest_of(&statement(files("sha256"), &[])).expect("empty").is_empty());
         // A v0.1 statement.
@@ -1392,9 +1479,12 @@ mod tests {
             // Names no model file can have (model_signing: "Missing files").
             ("an absolute name", s(files("sha256"), &[("/etc/passwd", "sha256", H1)]), "unsupported: '/etc/passwd' is an absolute path"),
             ("a name out of the directory", s(files("sha256"), &[("a/../../b", "sha256", H1)]), "unsupported: 'a/../../b' leads out of the model's directory"),
-            ("an empty name", s(files("sha256"), &[("", "sha256", H1)]), "unsupported: '' names no file"),
-            ("a name of dots", s(files("sha256"), &[("./.", "sha256", H1)]), "unsupported: './.' names no file"),
-            ("a shard of no file", s(size(1000), &[("./:0:5", sh, H1)]), "unsupported: './' names no file"),
+            // `.` is the file of a signature of a single file: alone, or no model matches.
+            ("the single file beside another", s(files("sha256"), &[("./.", "sha256", H1), ("a", "sha256", H2)]), "unsupported: '.' (the file of a signature of a single file) is listed beside other files"),
+            ("a single file's shard beside another", s(size(1000), &[(".:0:5", sh, H1), ("a:0:5", sh, H2)]), "unsupported: '.' (the file of a signature of a single file)"),
+            ("allow_symlinks not a bool", s(json!({"method": "files", "hash_type": "sha256", "allow_symlinks": "no"}), &[]), "unsupported: the statement's predicate.serialization.allow_symlinks is not true or false"),
+            ("ignore_paths not a list", s(json!({"method": "files", "hash_type": "sha256", "allow_symlinks": false, "ignore_paths": "a"}), &[]), "unsupported: the statement's predicate.serialization.ignore_paths is not a list"),
+            ("an ignore path not a string", s(json!({"method": "files", "hash_type": "sha256", "allow_symlinks": false, "ignore_paths": [1]}), &[]), "unsupported: the statement's predicate.serialization.ignore_paths[0] is not a string"),
             (
                 "v0.1 subject without sha256",
                 raw(json!({"_type": STATEMENT_TYPE, "predicateType": PREDICATE_TYPE_V01,

@@ -11,8 +11,10 @@
 //!    certificate whose subject is the issuer's name (names compared as OpenSSL compares them:
 //!    string values without case and runs of white space), that the authority key identifier,
 //!    where there is one, names, and whose key verifies the signature. The chain ends at a
-//!    self-issued certificate, which must be one of the given ones: a chain that ends at a
-//!    given certificate that is not self-issued does not verify (no partial chains).
+//!    self-signed certificate (its issuer is its own name and its authority key identifier, if
+//!    any, names its own key: the signature is not checked), which must be one of the given
+//!    ones: a chain that ends at a given certificate that is not self-signed does not verify
+//!    (no partial chains).
 //! 2. Every certificate of the chain, the root's included, is valid at the signing time:
 //!    notBefore ≤ t < notAfter.
 //! 3. No certificate has a critical extension OpenSSL does not know.
@@ -20,7 +22,8 @@
 //!    basicConstraints say CA:TRUE; the root may instead have no basicConstraints and be a v1
 //!    certificate, or carry a key usage, or a Netscape CA type. The signing certificate may be
 //!    anything, a CA included.
-//! 5. An issuer's pathLenConstraint bounds the issuers below it that are not self-issued.
+//! 5. An issuer's pathLenConstraint bounds the issuers below it that are not self-issued (whose
+//!    subject is not their issuer's name).
 //!
 //! The root's own signature is not checked (OpenSSL does not check it either).
 
@@ -52,7 +55,7 @@ pub(super) fn verify(
     names: &str,
     at: i64,
 ) -> Check<()> {
-    if !given.iter().any(self_issued) {
+    if !given.iter().any(self_signed) {
         return invalid(format!(
             "none of the given certificates ({names}) is self-signed: OpenSSL, and so model_signing, needs the chain to end at a given root"
         ));
@@ -68,7 +71,7 @@ pub(super) fn verify(
     judge(&chain, at).map_err(refuse)
 }
 
-/// The chain from `leaf` up to a given self-issued certificate.
+/// The chain from `leaf` up to a given self-signed certificate.
 fn build<'c, 'a>(
     leaf: &'c X509Certificate<'a>,
     bundled: &'c [X509Certificate<'a>],
@@ -78,7 +81,7 @@ fn build<'c, 'a>(
     loop {
         let cert = chain[chain.len() - 1];
         let at = chain.len() - 1;
-        if self_issued(cert) {
+        if self_signed(cert) {
             if given.iter().any(|g| g.as_raw() == cert.as_raw()) {
                 return Ok(chain);
             }
@@ -174,7 +177,7 @@ fn judge(chain: &[&X509Certificate<'_>], at: i64) -> Check<()> {
                 ));
             }
         }
-        if !self_issued(cert) {
+        if !same_name(cert.subject(), cert.issuer()) {
             below += 1;
         }
     }
@@ -271,7 +274,7 @@ impl<'a> Extensions<'a> {
             Some(true) => Ca::Yes,
             Some(false) => Ca::No,
             None if self.key_usage.is_some() || self.netscape_ca => Ca::Tolerated,
-            None if cert.version().0 == 0 && self_issued(cert) => Ca::Tolerated,
+            None if cert.version().0 == 0 && self_signed(cert) => Ca::Tolerated,
             None => Ca::No,
         }
     }
@@ -285,9 +288,9 @@ impl<'a> Extensions<'a> {
     }
 }
 
-/// Whether the certificate names itself as its issuer (and its authority key identifier, if
-/// any, names its own key): what OpenSSL takes for self-signed without checking the signature.
-fn self_issued(cert: &X509Certificate<'_>) -> bool {
+/// Whether the certificate names itself as its issuer and its authority key identifier, if any,
+/// names its own key: what OpenSSL takes for self-signed, without checking the signature.
+fn self_signed(cert: &X509Certificate<'_>) -> bool {
     same_name(cert.subject(), cert.issuer()) && key_id_names(cert, cert)
 }
 
