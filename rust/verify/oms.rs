@@ -1007,6 +1007,73 @@ mod tests {
     }
 
     #[test]
+    fn chains_are_judged_as_openssl_judges_them() {
+        // A signing certificate that is a CA (model_signing's own test PKI has one).
+        let m = read("cert-ca.sig", &chain(&["root.pem"])).expect("a CA signing certificate");
+        assert_eq!(m.files, whole(Algorithm::Sha256));
+        // The root's dates count at the signing time (the leaf's notBefore, 2025-01-01T00:00:00Z),
+        // both ends included.
+        for root in ["root-starts-at-signing.pem", "root-ends-at-signing.pem"] {
+            read("cert.sig", &chain(&[root])).unwrap_or_else(|e| panic!("{root}: {e}"));
+        }
+        let at = "invalid: the signing certificate does not chain to";
+        for (root, why) in [
+            ("root-expired.pem", "certificate 'CN=OMS test root' expired at 2024-06-01T00:00:00Z"),
+            ("root-ends-before-signing.pem", "certificate 'CN=OMS test root' expired at 2024-12-31T23:59:59Z"),
+            ("root-not-yet.pem", "certificate 'CN=OMS test root' is valid from 2026-01-01T00:00:00Z only"),
+        ] {
+            let want = format!("{at} {root} at its notBefore (2025-01-01T00:00:00Z): {why}");
+            assert_refused(read("cert.sig", &chain(&[root])), &want, root);
+        }
+        // A self-signed signing certificate is a chain of one when it is the one given, and
+        // nothing otherwise.
+        read("self-signed.sig", &chain(&["self-signed.pem"])).expect("a chain of one");
+        assert_refused(
+            read("self-signed.sig", &chain(&["root.pem"])),
+            &format!("{at} root.pem at its notBefore (2025-01-01T00:00:00Z): the signing certificate is self-signed, and not one of the given certificates"),
+            "self-signed, not given",
+        );
+    }
+
+    #[test]
+    fn signatures_of_a_single_file_and_of_older_releases() {
+        // model_signing 1.1.1 and 1.0.0 name the file of a single-file signature `.`; 1.0.0
+        // writes the key as rawBytes and keyDetails, without a hint (model_signing warns).
+        let digest = Expected::Whole(digest(Algorithm::Sha256, "model.safetensors", None));
+        for sig in ["single.sig", "v1.0.0-single.sig"] {
+            let m = read(sig, &key("key.pub")).unwrap_or_else(|e| panic!("{sig}: {e}"));
+            assert_eq!(m.files, BTreeMap::from([(SINGLE_FILE.to_owned(), digest.clone())]), "{sig}");
+            assert!(m.single_file());
+            assert_eq!(m.entry_for("/anywhere/renamed.bin").map(|(n, _)| n), Some(SINGLE_FILE));
+        }
+        let raw: Value = serde_json::from_slice(&bytes("v1.0.0-key.sig")).expect("JSON");
+        assert!(raw["verificationMaterial"]["publicKey"]["rawBytes"].is_string(), "the older format");
+        let m = read("v1.0.0-key.sig", &key("key.pub")).expect("v1.0.0-key.sig");
+        assert_eq!(m.files, whole(Algorithm::Sha256));
+        // model_signing 0.2.0: a subject per file, its PAE; a certificate chain and a key.
+        let m = read("v0.2.0-cert.sig", &chain(&["root.pem"])).expect("v0.2.0-cert.sig");
+        assert_eq!(m.files, whole(Algorithm::Sha256));
+        assert_eq!(m.allow_symlinks, None);
+        let m = read("v0.2.0-key.sig", &key("key.pub")).expect("v0.2.0-key.sig");
+        assert_eq!(m.files, whole(Algorithm::Sha256));
+        assert_refused(
+            read("v0.2.0-key.sig", &key("other.pub")),
+            "invalid: the envelope's signature is not one made by other.pub",
+            "0.2.0 other key",
+        );
+    }
+
+    #[test]
+    fn the_paths_a_signature_leaves_out_and_its_links_rule() {
+        let m = read("ignore.sig", &key("key.pub")).expect("ignore.sig");
+        let mut files = whole(Algorithm::Sha256);
+        files.remove("sub/notes.txt");
+        assert_eq!(m.files, files);
+        assert!(m.ignored.iter().any(|p| p == "sub"), "{:?}", m.ignored);
+        assert_eq!(m.allow_symlinks, Some(false));
+    }
+
+    #[test]
     fn what_is_not_verified_here_says_so() {
         // model_signing verifies P-521 signatures; ring has no P-521.
         assert_refused(read("key521.sig", &key("key521.pub")), "unsupported: key521.pub is a P-521 key", "P-521");

@@ -16,7 +16,7 @@
 //!    ones: a chain that ends at a given certificate that is not self-signed does not verify
 //!    (no partial chains).
 //! 2. Every certificate of the chain, the root's included, is valid at the signing time:
-//!    notBefore ≤ t < notAfter.
+//!    notBefore ≤ t ≤ notAfter.
 //! 3. No certificate has a critical extension OpenSSL does not know.
 //! 4. Every issuer is a CA: its key usage, where present, allows certificate signing, and its
 //!    basicConstraints say CA:TRUE; the root may instead have no basicConstraints and be a v1
@@ -142,7 +142,7 @@ fn judge(chain: &[&X509Certificate<'_>], at: i64) -> Check<()> {
         if at < from {
             return invalid(format!("{who} is valid from {} only", super::format_time(from)));
         }
-        if at >= until {
+        if at > until {
             return invalid(format!("{who} expired at {}", super::format_time(until)));
         }
         let ext = Extensions::of(cert).map_err(|why| Fail::Invalid(format!("{who}: {why}")))?;
