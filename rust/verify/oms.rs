@@ -1,53 +1,58 @@
 //! OpenSSF model-signing (OMS) signatures: a sigstore bundle whose DSSE envelope holds an
 //! in-toto statement listing every file's digest.
 //!
-//! [`read_signature`] reads what the Python package `model_signing` 1.1 writes with
-//! `model_signing sign key` and `sign certificate` (and its `signing.Config` API), checks it
-//! offline the way `model_signing verify key` / `verify certificate` do, and returns the files it
-//! lists. The bundle is JSON (media type `application/vnd.dev.sigstore.bundle.v0.3+json`); its
-//! `dsseEnvelope` holds a base64 in-toto statement (payload type `application/vnd.in-toto+json`)
-//! and the ECDSA signature of its DSSE pre-authentication encoding. The statement (predicate
-//! `https://model_signing/signature/v1.0`) has one subject, whose sha256 is that of every
-//! resource digest's bytes in order, and `predicate.resources`: `{name, algorithm, digest}` per
-//! file (`serialization.method` `files`) or per file shard (`shards`: named `path:start:end`,
-//! algorithm `sha256-sharded-<shard_size>`). The v0.1 statements of model_signing 0.2
-//! (predicate `https://model_signing/Digests/v0.1`, a subject per file) and its signatures over a
-//! mis-encoded PAE are accepted as model_signing 1.1 accepts them.
+//! [`read_signature`] reads what the Python package `model_signing` writes with `model_signing
+//! sign key` and `sign certificate` (and its `signing.Config` API), from release 0.2 to 1.1,
+//! checks it offline the way `model_signing verify key` / `verify certificate` (1.1.1) do, and
+//! returns the files it lists. The bundle is JSON (media type
+//! `application/vnd.dev.sigstore.bundle.v0.3+json`); its `dsseEnvelope` holds a base64 in-toto
+//! statement (payload type `application/vnd.in-toto+json`) and the ECDSA signature of its DSSE
+//! pre-authentication encoding. The statement (predicate `https://model_signing/signature/v1.0`)
+//! has one subject, whose sha256 is that of every resource digest's bytes in order, and
+//! `predicate.resources`: `{name, algorithm, digest}` per file (`serialization.method` `files`)
+//! or per file shard (`shards`: named `path:start:end`, algorithm `sha256-sharded-<shard_size>`).
+//! The serialization's `ignore_paths` and `allow_symlinks` are kept in the [`Manifest`]. A
+//! signature of a single file names it `.`. Accepted as model_signing 1.1 accepts them: the v0.1
+//! statements of model_signing 0.2 (predicate `https://model_signing/Digests/v0.1`, a subject
+//! per file), signatures over its mis-encoded PAE, and the key material of releases before 1.1
+//! (`rawBytes` and `keyDetails`, no key hint: model_signing warns).
 //!
-//! A signature is refused where model_signing's verification would refuse it whatever the
-//! model's files hold. The checks are model_signing's, with these differences:
+//! Keys and certificates are read with x509-parser; signatures are checked with ring. A
+//! signature is refused where model_signing's verification would refuse it whatever the model's
+//! files hold. The checks are model_signing's, with these differences:
 //!
-//! - Keys: P-256 and P-384 ECDSA keys (model_signing also signs with P-521, which `ring`, the
-//!   verifier used here, does not implement: such signatures are refused as unsupported).
-//! - Certificate chains are checked with `rustls-webpki` where model_signing uses OpenSSL
-//!   (pyOpenSSL's `X509Store`, no purpose, no partial chains, at the signing certificate's
-//!   notBefore). As in model_signing, every given certificate is trusted, the bundle's other
-//!   certificates are untrusted intermediates, the chain must end at a given self-signed root,
-//!   every certificate must be valid at the signing certificate's notBefore (an expired chain
-//!   still verifies), extended key usages are not checked on the chain, and the signing
-//!   certificate must have the digitalSignature key usage or the codeSigning extended key usage.
-//!   Issuers must be CAs (basicConstraints; a root may also be a v1 certificate or lack the
-//!   extension but have a key usage), their key usage, where present, must allow certificate
-//!   signing, and a root's pathLenConstraint is kept, as OpenSSL does. Unlike OpenSSL, webpki
-//!   refuses a signing certificate marked as a CA, v1 and v2 certificates other than roots,
-//!   certificate signatures other than ECDSA P-256/P-384 with SHA-256/384, Ed25519 and RSA
-//!   2048-8192 bits (no SHA-1, no P-521), compares names byte for byte (OpenSSL canonicalizes
-//!   them) and ignores authority/subject key identifiers when choosing issuers. With no
-//!   certificate given, model_signing trusts certifi's web roots; here that is refused.
+//! - Keys: P-256 and P-384 ECDSA keys, their points uncompressed, as cryptography writes them
+//!   (model_signing also signs with P-521, which `ring` does not implement: such signatures are
+//!   refused as unsupported).
+//! - Certificate chains are judged by OpenSSL's rules, as model_signing's pyOpenSSL `X509Store`
+//!   judges them at the signing certificate's notBefore (`oms/chain.rs` says how): every given
+//!   certificate is trusted, the bundle's others are untrusted intermediates, the chain must end
+//!   at a given self-signed certificate, every certificate of it, the root's included, must be
+//!   valid at that time, issuers must be CAs and keep their pathLenConstraint, the signing
+//!   certificate may be a CA, extended key usages are not checked on the chain, and the signing
+//!   certificate must have the digitalSignature key usage or the codeSigning extended key usage
+//!   (model_signing's own rule). Unlike OpenSSL here: certificate signatures other than ECDSA
+//!   P-256/P-384, RSA (PKCS#1 v1.5 and PSS) and Ed25519 are refused as unsupported, as are
+//!   name constraints (OpenSSL checks them); where two certificates could issue one, the one
+//!   whose key verifies its signature is taken (OpenSSL takes one by name and key identifier
+//!   and fails if its signature does not verify). With no certificate given, model_signing
+//!   trusts certifi's web roots; here that is refused.
 //! - The bundle is read as strictly as model_signing's pydantic models read it (unknown fields
 //!   refused, exactly one verification material and one content), except that `tlogEntries`
 //!   and `timestampVerificationData` are not looked into (model_signing checks their shape and
 //!   then ignores them too), that snake_case field names are refused, and that base64 with
 //!   characters outside its alphabet is refused where Python's `b64decode` skips them.
 //! - The statement's digests must be hex without spaces, shard offsets plain decimal, and names
-//!   relative paths without `..` (read as model_signing reads them: `a//./b` is `a/b`). A
-//!   statement whose resources could never match a model is refused here, where model_signing
-//!   refuses it when it compares the model's files: a resource hashed with another algorithm
-//!   than the serialization's (or `<alg>-sharded-<n>` with another shard size), shards that do
-//!   not tile their file from byte 0 in `shard_size` pieces, blake3 shards (model_signing
-//!   hashes blake3 manifests by file). A name listed twice with two digests is refused
-//!   (model_signing keeps the last one).
+//!   relative paths without `..` (read as model_signing reads them: `a//./b` is `a/b`, `""` is
+//!   `.`). A statement whose resources could never match a model is refused here, where
+//!   model_signing refuses it when it compares the model's files: a resource hashed with another
+//!   algorithm than the serialization's (or `<alg>-sharded-<n>` with another shard size),
+//!   shards that do not tile their file from byte 0 in `shard_size` pieces, blake3 shards
+//!   (model_signing hashes blake3 manifests by file), `.` beside other names. A name listed
+//!   twice with two digests is refused (model_signing keeps the last one).
 //! - Keyless (sigstore) bundles are not verified here: see [`Trust::Sigstore`].
+//! - Key, certificate and signature files are read only if they are regular files of at most
+//!   1 MiB (64 MiB for a signature), opened without waiting (a FIFO is refused, not read).
 //!
 //! In shard manifests an empty file is listed nowhere: model_signing makes no shard for it.
 
