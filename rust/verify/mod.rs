@@ -357,22 +357,14 @@ fn read_whole(path: &Path) -> Result<Vec<u8>> {
 /// read (a device is refused unread) and read no further than `max` bytes (a file that grows
 /// as it is read is refused, not followed).
 pub(crate) fn read_small_file(path: &Path, max: u64, what: &str) -> Result<Vec<u8>> {
+    use crate::source::Source as _;
     use std::io::Read as _;
-    use std::os::unix::fs::OpenOptionsExt as _;
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
-        .open(path)
-        .map_err(|e| Error::io(path, "open", e))?;
-    let meta = file.metadata().map_err(|e| Error::io(path, "stat", e))?;
-    if !meta.is_file() {
-        return Err(Error::NotAFile { path: path.to_owned() });
+    let file = crate::source::LocalFile::open(path)?;
+    if file.len() > max {
+        return Err(too_large(path, file.len(), max, what));
     }
-    if meta.len() > max {
-        return Err(too_large(path, meta.len(), max, what));
-    }
-    let mut bytes = Vec::with_capacity(meta.len() as usize);
-    file.take(max + 1).read_to_end(&mut bytes).map_err(|e| Error::io(path, "read", e))?;
+    let mut bytes = Vec::with_capacity(file.len() as usize);
+    file.file().take(max + 1).read_to_end(&mut bytes).map_err(|e| Error::io(path, "read", e))?;
     if bytes.len() as u64 > max {
         return Err(too_large(path, bytes.len() as u64, max, what));
     }
@@ -579,19 +571,11 @@ fn same_file(a: &Path, b: &Path) -> bool {
 /// One file's digests, read once in order: a [`FileCheck`] fed each chunk as it is read
 /// (in order, so hashed at once), whose verdict becomes the file's.
 fn hash_file(path: &Path, expected: &Expected) -> Result<Verdict> {
+    use crate::source::Source as _;
     use std::io::Read;
-    use std::os::unix::fs::OpenOptionsExt as _;
-    // Without blocking: a FIFO is refused, not waited on.
-    let mut file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
-        .open(path)
-        .map_err(|e| Error::io(path, "open", e))?;
-    let meta = file.metadata().map_err(|e| Error::io(path, "stat", e))?;
-    if !meta.is_file() {
-        return Err(Error::NotAFile { path: path.to_owned() });
-    }
-    let len = meta.len();
+    // Opened without waiting, regular files only: a FIFO is refused, not waited on.
+    let local = crate::source::LocalFile::open(path)?;
+    let (mut file, len) = (local.file(), local.len());
     let check = match FileCheck::new(path, len, expected, "") {
         Ok(check) => check,
         Err(e) => return changed(e),
