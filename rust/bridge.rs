@@ -145,9 +145,11 @@ mod ffi {
         /// Stops the reads of `handle`'s files in flight, in every load and stream from them
         /// (a load interrupted); false if it was not open.
         fn cancel_handle(handle: i64) -> bool;
-        /// Every file of directory `dir` checked against what `verify` names (JSON, as for
-        /// `open_handle`): one line per file, "status\tname\tdetail", status one of ok,
-        /// missing, extra, changed, unreadable.
+        /// Every file of directory `dir` (or the file of a signature of a single file) checked
+        /// against what `verify` names (JSON, as for `open_handle`, with `ignore_paths`,
+        /// `ignore_git_paths` and `allow_symlinks`: `verify::verify_tree_spec`): one line per
+        /// file, "status\tname\tdetail", status one of ok, missing, extra, changed, unreadable,
+        /// symlink.
         fn verify_tree(dir: &str, verify: &str) -> Result<Vec<String>>;
 
         /// Records an event on `stream`, torch's current stream (a `cudaStream_t`) on CUDA
