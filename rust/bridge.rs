@@ -145,9 +145,11 @@ mod ffi {
         /// Stops the reads of `handle`'s files in flight, in every load and stream from them
         /// (a load interrupted); false if it was not open.
         fn cancel_handle(handle: i64) -> bool;
-        /// Every file of directory `dir` checked against what `verify` names (JSON, as for
-        /// `open_handle`): one line per file, "status\tname\tdetail", status one of ok,
-        /// missing, extra, changed, unreadable.
+        /// Every file of directory `dir` (or the file of a signature of a single file) checked
+        /// against what `verify` names (JSON, as for `open_handle`, with `ignore_paths`,
+        /// `ignore_git_paths` and `allow_symlinks`: `verify::verify_tree_spec`): one line per
+        /// file, "status\tname\tdetail", status one of ok, missing, extra, changed, unreadable,
+        /// symlink.
         fn verify_tree(dir: &str, verify: &str) -> Result<Vec<String>>;
 
         /// Records an event on `stream`, torch's current stream (a `cudaStream_t`) on CUDA
@@ -594,26 +596,22 @@ fn check_finish(path: &str, handle: i64) -> Result<()> {
 fn verify_tree(dir: &str, verify: &str) -> Result<Vec<String>> {
     use crate::verify::Verdict;
     guard(|| {
-        let dir = Path::new(dir);
-        let verifier = crate::verify::verifier_from_spec(verify, &[])?;
-        let skip: Vec<PathBuf> = serde_json::from_str::<serde_json::Value>(verify)
-            .ok()
-            .and_then(|v| v.get("signature").and_then(|s| s.as_str()).map(PathBuf::from))
-            .into_iter()
-            .collect();
-        let verdicts = crate::verify::verify_tree(dir, &verifier.manifest, &skip)?;
+        let (manifest, verdicts) = crate::verify::verify_tree_spec(Path::new(dir), verify)?;
         Ok(verdicts
             .into_iter()
             .map(|(name, v)| match v {
                 Verdict::Ok => format!("ok\t{name}\t"),
-                Verdict::Missing => {
-                    format!("missing\t{name}\tlisted in {}, not in the directory", verifier.manifest.origin)
-                }
-                Verdict::Extra => format!("extra\t{name}\tnot listed in {}", verifier.manifest.origin),
+                Verdict::Missing => format!("missing\t{name}\tlisted in {}, not in the directory", manifest.origin),
+                Verdict::Extra => format!("extra\t{name}\tnot listed in {}", manifest.origin),
                 Verdict::Changed { start, end, expected, actual } => {
                     format!("changed\t{name}\tbytes {start}..{end}: expected {expected}, got {actual}")
                 }
                 Verdict::Unreadable(why) => format!("unreadable\t{name}\t{why}"),
+                Verdict::Symlink => format!(
+                    "symlink\t{name}\ta symbolic link, and {} records allow_symlinks=false (model_signing refuses it too): \
+                     pass --allow_symlinks to follow links",
+                    manifest.origin
+                ),
             })
             .collect())
     })

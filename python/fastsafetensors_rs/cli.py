@@ -221,10 +221,12 @@ def _signed(args: argparse.Namespace) -> Optional[Any]:
     if args.signature is None:
         if args.public_key or args.certificate_chain:
             raise UsageError("--public-key and --certificate-chain go with --signature")
+        if args.ignore_paths or args.allow_symlinks:
+            raise UsageError("--ignore-paths and --allow-symlinks go with --signature or --digests")
         return None
     try:
         return Signature(args.signature, public_key=args.public_key,
-                         certificate_chain=args.certificate_chain or None)
+                         certificate_chain=args.certificate_chain or None, allow_symlinks=args.allow_symlinks)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -263,13 +265,31 @@ def cmd_verify(args: argparse.Namespace) -> Tuple[Dict[str, Any], bool]:
     return result, ok
 
 
+def _ignored(model: str, paths: Sequence[str]) -> List[str]:
+    """The `--ignore-paths` inside the model, relative to it, as model_signing resolves them (from
+    the working directory, links resolved); those outside it are dropped."""
+    root = os.path.realpath(model)
+    out = []
+    for p in paths:
+        rel = os.path.relpath(os.path.realpath(p), root)
+        if rel != ".." and not rel.startswith("../"):
+            out.append(rel)
+    return out
+
+
 def _verify_signed(args: argparse.Namespace, signed: Any) -> Tuple[Dict[str, Any], bool]:
-    """`verify --signature/--digests DIR`: each file of DIR hashed once and compared; each
-    missing, extra or changed one named."""
-    if len(args.paths) != 1 or not os.path.isdir(args.paths[0]):
-        raise UsageError("verify --signature/--digests checks one model directory: pass it alone")
+    """`verify --signature/--digests MODEL`: each file of MODEL (a directory, or the file of a
+    signature of a single file) hashed once and compared; each missing, extra or changed one
+    named."""
+    if len(args.paths) != 1 or not os.path.exists(args.paths[0]):
+        raise UsageError("verify --signature/--digests checks one model, a directory or a file: pass it alone")
+    model = args.paths[0]
+    spec = json.loads(verify_spec(signed, [model]))
+    spec.update(ignore_paths=_ignored(model, args.ignore_paths), ignore_git_paths=args.ignore_git_paths)
+    if args.allow_symlinks is not None:
+        spec["allow_symlinks"] = args.allow_symlinks
     try:
-        lines = ops.verify_tree(args.paths[0], verify_spec(signed))
+        lines = ops.verify_tree(model, json.dumps(spec))
     except RuntimeError as e:
         result = {"command": "verify", "valid": False, "error": str(e), "files": []}
         if not args.json:
@@ -568,11 +588,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", parents=[common, loading],
                        help="check every format rule and read every byte, or (with --signature or --digests) "
                             "every file against a signed manifest; exit 1 on a bad file")
-    p.add_argument("--signature", help="an OpenSSF model-signing signature (model.sig) of the directory")
-    p.add_argument("--public-key", help="the signer's PEM public key (model_signing sign key)")
-    p.add_argument("--certificate-chain", action="append", metavar="PEM",
-                   help="a certificate of the signer's chain (model_signing sign certificate); repeat for each")
+    # model_signing's spellings (`--public_key`, ...) beside ours: `model_signing verify key ARGS`
+    # works as `verify ARGS`.
+    p.add_argument("--signature", help="an OpenSSF model-signing signature (model.sig) of the directory (or file)")
+    p.add_argument("--public-key", "--public_key", dest="public_key",
+                   help="the signer's PEM public key (model_signing sign key)")
+    p.add_argument("--certificate-chain", "--certificate_chain", dest="certificate_chain", action="append",
+                   metavar="PEM", help="a PEM file of the signer's chain, up to its root (model_signing sign "
+                                       "certificate); repeat for each")
     p.add_argument("--digests", help="a JSON file of {file name: 'sha256:<hex>'}")
+    p.add_argument("--ignore-paths", "--ignore_paths", dest="ignore_paths", action="append", metavar="PATH",
+                   default=[], help="a file or folder of the model not to report when unsigned (beside those the "
+                                    "signature records); repeat for each")
+    p.add_argument("--ignore-git-paths", "--ignore_git_paths", dest="ignore_git_paths", action="store_true",
+                   default=True, help="leave git's files at the model's top out (default)")
+    p.add_argument("--no-ignore-git-paths", "--no-ignore_git_paths", dest="ignore_git_paths", action="store_false",
+                   help="report git's files at the model's top when unsigned")
+    p.add_argument("--allow-symlinks", "--allow_symlinks", dest="allow_symlinks", action="store_true",
+                   default=None, help="follow symbolic links where the signature records allow_symlinks=false")
     p.set_defaults(run=cmd_verify)
 
     p = sub.add_parser("bench", parents=[common, loading],

@@ -30,15 +30,19 @@ def _fspath(path: PathLike) -> str:
 class Signature:
     """An OpenSSF model-signing (OMS) signature and what it is checked against: the signer's
     PEM `public_key` (`model_signing sign key`), or the PEM `certificate_chain` up to a root
-    you trust (`model_signing sign certificate`). Sigstore (keyless) bundles name a
-    `trusted_root`, `identity` and `issuer`; they are refused in one line (verify those with
-    `model_signing verify sigstore`). `full=True`: a load of part of a file (a
-    `tensor_filter`, `get_slice`) reads the rest of it too, to check the file's digest;
-    without it such a load is refused. The signature may be a URL (beside remote weights)."""
+    you trust (`model_signing sign certificate`: a file, or a list of files). Sigstore (keyless)
+    bundles name a `trusted_root`, `identity` and `issuer`; they are refused in one line (verify
+    those with `model_signing verify sigstore`). `full=True`: a load of part of a file (a
+    `tensor_filter`, `get_slice`) reads the rest of it too, to check the file's digest; without
+    it such a load is refused. `allow_symlinks`: follow symbolic links (True) or refuse them
+    (False) whatever the signature records; by default a file loaded through a link is refused
+    where the signature records `allow_symlinks=false`, as model_signing refuses it (a Hugging
+    Face cache snapshot is made of links). The signature may be a URL (beside remote weights)."""
 
     def __init__(self, path: PathLike, *, public_key: Optional[PathLike] = None,
-                 certificate_chain: Optional[Iterable[PathLike]] = None, trusted_root: Optional[PathLike] = None,
-                 identity: Optional[str] = None, issuer: Optional[str] = None, full: bool = False):
+                 certificate_chain: Union[None, PathLike, Iterable[PathLike]] = None,
+                 trusted_root: Optional[PathLike] = None, identity: Optional[str] = None,
+                 issuer: Optional[str] = None, full: bool = False, allow_symlinks: Optional[bool] = None):
         self.path = _fspath(path)
         given = [n for n, v in (("public_key", public_key), ("certificate_chain", certificate_chain),
                                 ("trusted_root", trusted_root)) if v is not None]
@@ -46,13 +50,16 @@ class Signature:
             raise ValueError("Signature takes one of public_key=, certificate_chain= or trusted_root= "
                              f"(with identity= and issuer=), not {' and '.join(given) or 'none'}")
         self.public_key = None if public_key is None else _fspath(public_key)
+        if isinstance(certificate_chain, (str, os.PathLike)):  # one file, not its characters
+            certificate_chain = [certificate_chain]
         self.certificate_chain = None if certificate_chain is None else [_fspath(p) for p in certificate_chain]
         self.trusted_root = None if trusted_root is None else _fspath(trusted_root)
         self.identity, self.issuer, self.full = identity, issuer, bool(full)
+        self.allow_symlinks = None if allow_symlinks is None else bool(allow_symlinks)
 
     def _spec(self) -> Dict[str, Any]:
         spec: Dict[str, Any] = {"signature": self.path, "full": self.full}
-        for key in ("public_key", "certificate_chain", "trusted_root", "identity", "issuer"):
+        for key in ("public_key", "certificate_chain", "trusted_root", "identity", "issuer", "allow_symlinks"):
             if getattr(self, key) is not None:
                 spec[key] = getattr(self, key)
         return spec

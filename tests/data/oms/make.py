@@ -1,7 +1,9 @@
-"""The fixtures of rust/verify/oms.rs, made with model_signing 1.1.1 and cryptography.
+"""The fixtures of rust/verify/oms.rs, made with model_signing 1.1.1 and cryptography, and the
+formats of older releases with model_signing 0.2.0 and 1.0.0.
 
 Run by make.sh (which says the order): `make.py model`, `make.py certs TMP`, `make.py api TMP`,
-`make.py check`. TMP holds the private keys, which are not kept.
+`make.py v020 TMP` and `make.py v100 TMP` (each with its release's Python), `make.py check`.
+TMP holds the private keys, which are not kept.
 """
 
 import base64
@@ -18,8 +20,12 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 import model_signing
 
-H = model_signing.hashing.Config
 INTOTO = "application/vnd.in-toto+json"
+
+
+def H():
+    """A hashing configuration of model_signing 1.x."""
+    return model_signing.hashing.Config()
 
 
 def model():
@@ -39,6 +45,7 @@ def _name(cn):
 
 
 def _cert(subject, key, issuer, issuer_key, start, end, ca, ku=None, eku=None, pathlen=None):
+    """A certificate valid from `start` to `end` (tuples: year, month, day[, hour...], UTC)."""
     b = (
         x509.CertificateBuilder()
         .subject_name(_name(subject))
@@ -105,6 +112,19 @@ def certs(tmp):
         "root-no-certsign.pem": dict(ca=True, ku=["digital_signature"]),
     }.items():
         _pem(name, _cert("OMS test root", root_key, "OMS test root", root_key, (2020, 1, 1), (2045, 1, 1), **args))
+    # The root's key and name, valid at other times: expired before the leaves were issued, valid
+    # only after; ending one second before the leaves' notBefore (2025-01-01T00:00:00Z, the
+    # signing time), ending at it, starting at it (OpenSSL: valid from notBefore to notAfter,
+    # both included).
+    for name, (start, end) in {
+        "root-expired.pem": ((2020, 1, 1), (2024, 6, 1)),
+        "root-not-yet.pem": ((2026, 1, 1), (2045, 1, 1)),
+        "root-ends-before-signing.pem": ((2020, 1, 1), (2024, 12, 31, 23, 59, 59)),
+        "root-ends-at-signing.pem": ((2020, 1, 1), (2025, 1, 1)),
+        "root-starts-at-signing.pem": ((2025, 1, 1), (2045, 1, 1)),
+    }.items():
+        _pem(name, _cert("OMS test root", root_key, "OMS test root", root_key, start, end, True,
+                         ku=["key_cert_sign", "crl_sign"]))
     _pem("other-root.pem", other)
     # The intermediate's key and name, without certificate signing in its key usage.
     _pem(tmp / "inter-no-certsign.pem", _cert("OMS test intermediate", inter_key, "OMS test root", root_key,
@@ -117,17 +137,27 @@ def certs(tmp):
         "cert-nousage": (ec.SECP256R1(), inter, inter_key,
                          dict(ku=["key_encipherment"], eku=[ExtendedKeyUsageOID.SERVER_AUTH])),
         "cert-expired-inter": (ec.SECP256R1(), old, old_key, dict(ku=["digital_signature"])),
+        # A signing certificate that is a CA too, as model_signing's own test PKI has (certtool's
+        # `ca` with `signing_key` and `code_signing_key`): OpenSSL accepts it.
+        "cert-ca": (ec.SECP384R1(), inter, inter_key,
+                    dict(ca=True, ku=["digital_signature"], eku=[ExtendedKeyUsageOID.CODE_SIGNING])),
     }
     for name, (curve, issuer, issuer_key, usage) in leaves.items():
         key = ec.generate_private_key(curve)
         issuer_cn = issuer.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value
-        leaf = _cert(f"OMS test signer ({name})", key, issuer_cn, issuer_key, (2025, 1, 1), (2026, 1, 1), False,
+        usage = {"ca": False, **usage}
+        leaf = _cert(f"OMS test signer ({name})", key, issuer_cn, issuer_key, (2025, 1, 1), (2026, 1, 1),
                      **usage)
         _pem(tmp / f"{name}.key", key)
         _pem(tmp / f"{name}.pem", leaf)
         _pem(tmp / f"{name}-chain.pem", issuer)
     leaf = x509.load_pem_x509_certificate((tmp / "cert.pem").read_bytes())
     _pem("cert.pub", leaf.public_key())
+    # A self-signed signing certificate: a chain of one when it is the certificate given.
+    key = ec.generate_private_key(ec.SECP256R1())
+    _pem(tmp / "self-signed.key", key)
+    _pem("self-signed.pem", _cert("OMS test self-signed signer", key, "OMS test self-signed signer", key,
+                                  (2025, 1, 1), (2026, 1, 1), False, ku=["digital_signature"]))
 
 
 def pae(payload, ptype=INTOTO):
@@ -185,8 +215,12 @@ def api(tmp):
         ("blake2.sig", H().use_file_serialization(hashing_algorithm="blake2")),
         ("blake2-shards.sig", H().use_shard_serialization(hashing_algorithm="blake2", shard_size=1000)),
         ("blake3.sig", H().use_file_serialization(hashing_algorithm="blake3")),
+        # The files under sub/ left out: the statement records ignore_paths.
+        ("ignore.sig", H().set_ignored_paths(paths=["sub"])),
     ]:
         signer().set_hashing_config(hc).sign("model", name)
+    # A signature of a single file (model_signing names it ".").
+    signer().sign("model/model.safetensors", "single.sig")
 
     key = serialization.load_pem_private_key((tmp / "key.pem").read_bytes(), None)
     statement = json.loads(payload_of(load("key.sig")))
@@ -292,7 +326,40 @@ def api(tmp):
     variant("bad-shard-gap.sig", gap, base="shards.sig")
 
 
-# (signature, verifier, trust, hashing config, expected to verify)
+def v020(tmp):
+    """Signatures as model_signing 0.2.0 wrote them (its API; run with a Python that has
+    model_signing==0.2.0 and sigstore<4): a v0.1 statement (a subject per file), a certificate
+    chain, the PAE of that release."""
+    from model_signing import api
+    from model_signing.signature import key as key_signature, pki
+    from model_signing.signing import in_toto, in_toto_signature
+
+    tmp = pathlib.Path(tmp)
+    for name, signer in [
+        ("v0.2.0-cert.sig", pki.PKISigner.from_path(str(tmp / "cert.key"), str(tmp / "cert.pem"),
+                                                     [str(tmp / "cert-chain.pem")])),
+        ("v0.2.0-key.sig", key_signature.ECKeySigner.from_path(str(tmp / "key.pem"))),
+    ]:
+        config = api.SigningConfig.__new__(api.SigningConfig)  # its __init__ makes a Sigstore signer
+        config.set_hashing_config(api.HashingConfig().set_serialize_by_file_to_manifest())
+        config.set_payload_generator(in_toto.DigestsIntotoPayload.from_manifest)
+        config._signer = in_toto_signature.IntotoSigner(signer)
+        config.sign(pathlib.Path("model"), pathlib.Path(name))
+
+
+def v100(tmp):
+    """Signatures as model_signing 1.0.0 wrote them (run with a Python that has
+    model_signing==1.0.0 and sigstore<4): the key as `rawBytes` and `keyDetails`, no hint (the
+    older verification material format), of the model and of a single file."""
+    from model_signing import signing
+
+    signing.Config.use_sigstore_signer = lambda self, **kw: self  # its default reaches Sigstore
+    tmp = pathlib.Path(tmp)
+    for model, name in [("model", "v1.0.0-key.sig"), ("model/model.safetensors", "v1.0.0-single.sig")]:
+        signing.Config().use_elliptic_key_signer(private_key=tmp / "key.pem").sign(model, name)
+
+
+# (signature, verifier, trust, hashing config, expected to verify[, the model signed])
 def _checks():
     files = H()
     shards = H().use_shard_serialization(shard_size=1000)
@@ -328,6 +395,21 @@ def _checks():
         ("cert.sig", cert, ["root-no-certsign.pem"], files, False),
         ("cert-inter-no-certsign.sig", cert, ["root.pem"], files, False),
         ("cert-expired-inter.sig", cert, ["root.pem"], files, False),
+        ("cert-ca.sig", cert, ["root.pem"], files, True),
+        ("cert.sig", cert, ["root-expired.pem"], files, False),
+        ("cert.sig", cert, ["root-not-yet.pem"], files, False),
+        ("cert.sig", cert, ["root-ends-before-signing.pem"], files, False),
+        ("cert.sig", cert, ["root-ends-at-signing.pem"], files, True),
+        ("cert.sig", cert, ["root-starts-at-signing.pem"], files, True),
+        ("self-signed.sig", cert, ["self-signed.pem"], files, True),
+        ("self-signed.sig", cert, ["root.pem"], files, False),
+        ("ignore.sig", key, "key.pub", None, True),
+        ("single.sig", key, "key.pub", None, True, "model/model.safetensors"),
+        ("single.sig", key, "key.pub", None, False, "model"),
+        ("v1.0.0-single.sig", key, "key.pub", None, True, "model/model.safetensors"),
+        ("v1.0.0-key.sig", key, "key.pub", files, True),
+        ("v0.2.0-cert.sig", cert, ["root.pem"], files, True),
+        ("v0.2.0-key.sig", key, "key.pub", files, True),
         ("bad-flipped-payload.sig", key, "key.pub", files, False),
         ("bad-edited-sig.sig", key, "key.pub", files, False),
         ("bad-no-signatures.sig", key, "key.pub", files, False),
@@ -352,7 +434,7 @@ def check():
     import contextlib
 
     failed = 0
-    for sig, kind, trust, hc, want in _checks():
+    for sig, kind, trust, hc, want, *model in _checks():
         out = io.StringIO()
         try:
             config = model_signing.verifying.Config()
@@ -360,8 +442,10 @@ def check():
                 config.use_elliptic_key_verifier(public_key=trust)
             else:
                 config.use_certificate_verifier(certificate_chain=trust)
+            if hc is not None:  # else the configuration the signature records
+                config.set_hashing_config(hc)
             with contextlib.redirect_stdout(out):
-                config.set_hashing_config(hc).verify("model", sig)
+                config.verify((model or ["model"])[0], sig)
             got, why = True, out.getvalue().strip()[:60]
         except Exception as e:  # what model_signing raises: ValueError, KeyError, AttributeError, ...
             got, why = False, f"{type(e).__name__}: {e}"[:150]
@@ -373,4 +457,5 @@ def check():
 
 
 if __name__ == "__main__":
-    {"model": model, "certs": certs, "api": api, "check": check}[sys.argv[1]](*sys.argv[2:])
+    {"model": model, "certs": certs, "api": api, "v020": v020, "v100": v100,
+     "check": check}[sys.argv[1]](*sys.argv[2:])
