@@ -540,7 +540,7 @@ mod tests {
             assert!(err.to_string().contains(expect), "{name}: {err}");
         }
         let missing = d.0.join("missing.safetensors.index.json");
-        assert!(matches!(Checkpoint::resolve(&missing), Err(Error::Io { op: "open", .. })));
+        assert!(matches!(Checkpoint::resolve(&missing), Err(Error::NotFound { .. })));
     }
 
     #[test]

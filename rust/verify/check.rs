@@ -89,6 +89,9 @@ struct State {
     hashed: u64,
     /// Blocks landed and not yet hashed or compared, by (start, end, arrival).
     pending: BTreeMap<(u64, u64, u64), Block>,
+    /// The blocks of the run being hashed (taken out of `pending`, not yet hashed): a reader
+    /// whose bytes are among them waits until they are.
+    in_run: Vec<(u64, u64, u64)>,
     arrivals: u64,
     hasher: Option<Hasher>,
     /// The last bytes hashed (up to [`TAIL`], ending at `hashed`): what a later copy of them is
@@ -156,6 +159,7 @@ impl FileCheck {
                 claimed: start,
                 hashed: start,
                 pending: BTreeMap::new(),
+                in_run: Vec::new(),
                 arrivals: 0,
                 hasher: Some(expected.algorithm.hasher()),
                 tail: Some(Vec::new()),
@@ -267,8 +271,9 @@ impl FileCheck {
             st.hashing = true;
             st = self.hash_contiguous(seg, st);
         } else if transient && start <= st.claimed {
-            // The reader hashing will reach it next: the bytes must stay until it has.
-            while st.pending.contains_key(&key) && st.hashing {
+            // The reader hashing will reach it next: the bytes must stay until it has hashed
+            // (or compared) them, not only taken them.
+            while (st.pending.contains_key(&key) || st.in_run.contains(&key)) && st.hashing {
                 st = seg.progress.wait(st).unwrap_or_else(|e| e.into_inner());
             }
         }
@@ -289,11 +294,12 @@ impl FileCheck {
             let from = st.claimed;
             let st_ref = &mut *st;
             while let Some(entry) = st_ref.pending.first_entry() {
-                let (start, end, _) = *entry.key();
+                let key @ (start, end, _) = *entry.key();
                 if start > st_ref.claimed {
                     break;
                 }
                 run.push((start, entry.remove()));
+                st_ref.in_run.push(key);
                 st_ref.claimed = st_ref.claimed.max(end);
             }
             if run.is_empty() {
@@ -328,6 +334,7 @@ impl FileCheck {
             drop(hashed);
             drop(run);
             st = seg.lock();
+            st.in_run.clear();
             st.hashed = upto;
             st.tail = Some(tail);
             if st.conflict.is_none() {
@@ -779,6 +786,27 @@ mod tests {
         assert!(weak.upgrade().is_none(), "hashed, and let go");
         check.landed_transient(8192, &bytes[8192..]);
         assert!(check.finish().is_ok());
+    }
+
+    /// A staging slot is reused as soon as `landed_transient` returns: whatever order the
+    /// blocks land in, and whichever reader hashes them, they are hashed (or copied) first.
+    #[test]
+    fn transient_bytes_are_hashed_before_their_buffer_is_reused() {
+        use rayon::prelude::*;
+        let bytes = data(2 << 20);
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(8).build().unwrap();
+        for round in 0..30 {
+            let check = whole(&bytes);
+            pool.install(|| {
+                bytes.par_chunks(4096).enumerate().for_each(|(i, block)| {
+                    let mut slot = block.to_vec();
+                    check.landed_transient(i as u64 * 4096, &slot);
+                    slot.fill(0xAA);
+                    std::hint::black_box(&slot);
+                })
+            });
+            assert!(check.finish().is_ok(), "round {round}: bytes of a reused slot were hashed");
+        }
     }
 
     #[test]

@@ -650,7 +650,7 @@ mod tests {
             assert_eq!(e.to_string(), format!("{}: not a regular file", path.display()));
         }
         let e = read_small_file(&dir.join("missing.pub"), 1 << 20, "a key").expect_err("missing");
-        assert!(matches!(e, Error::Io { op: "open", .. }), "{e}");
+        assert!(matches!(e, Error::NotFound { .. }), "{e}");
         // A signature too: read_whole takes the same path for local files.
         let e = read_whole(&dir.join("fifo.pub")).expect_err("a FIFO signature");
         assert_eq!(e.to_string(), format!("{}: not a regular file", dir.join("fifo.pub").display()));

@@ -1095,7 +1095,7 @@ mod tests {
     #[test]
     fn trust_files_that_cannot_be_used() {
         let e = read("key.sig", &key("missing.pub")).expect_err("no such key");
-        assert!(matches!(e, Error::Io { .. }), "{e}");
+        assert!(matches!(e, Error::NotFound { .. }), "{e}");
         // A certificate is not a public key (model_signing's load_pem_public_key refuses it too).
         assert_refused(read("key.sig", &key("root.pem")), "invalid: root.pem holds no PEM public key", "cert as key");
         assert_refused(
@@ -1104,7 +1104,7 @@ mod tests {
             "key as cert",
         );
         let e = read("cert.sig", &chain(&["root.pem", "missing.pem"])).expect_err("no such certificate file");
-        assert!(matches!(e, Error::Io { .. }), "{e}");
+        assert!(matches!(e, Error::NotFound { .. }), "{e}");
     }
 
     fn remove(value: &mut Value, key: &str) {

@@ -308,7 +308,8 @@ def test_bench_names_a_bad_file_once(capsys, tmp_path):
     for path in (bad, missing):
         rc, out, err = run(capsys, "bench", path)
         assert rc == 1 and out == ""
-        assert err.count(str(path)) == 1 and err.startswith(f"python -m fastsafetensors_rs bench: {path}: "), err
+        message = f"No such file or directory: {path}" if path == missing else f"{path}: "
+        assert err.count(str(path)) == 1 and err.startswith(f"python -m fastsafetensors_rs bench: {message}"), err
         assert err.count("\n") == 1, err
 
 
