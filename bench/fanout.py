@@ -9,7 +9,10 @@ seconds of its `load` call (process start, imports and the group's set-up are ou
 the bytes it read from storage (`read_bytes` of /proc/self/io). Reported: the slowest rank's
 time against the single process, and the bytes read per node and in all against the
 checkpoint's size. The "exchange only" rows time the all-gathers of the same bytes with no
-reads: the floor gloo over loopback puts under a shared load on this machine.
+reads: the floor gloo over loopback puts under a shared load on this machine. The "verified"
+rows load with `verify=Digests(...)` (each file hashed once in the group): beside the bytes
+each rank read, the bytes it hashed (`distributed.verified_bytes()`), and the time against
+the unverified load of as many ranks.
 
 Run alone: `python bench/fanout.py FILE... [--runs N]`.
 """
@@ -31,8 +34,8 @@ from typing import Any
 HERE = Path(__file__).resolve()
 SETTLE_SECONDS = 2.0
 TIMEOUT_S = 600
-VARIANTS = ("single", "2 ranks", "4 ranks", "2x2 node groups", "2x2 world group", "2 ranks exchange only",
-            "4 ranks exchange only")
+VARIANTS = ("single", "2 ranks", "4 ranks", "2 ranks verified", "4 ranks verified", "2x2 node groups",
+            "2x2 world group", "2 ranks exchange only", "4 ranks exchange only")
 CHUNK = 64 << 20  # what the loader exchanges per all-gather
 
 
@@ -52,26 +55,30 @@ def evict(files: list[str]) -> None:
             os.close(fd)
 
 
-def rank_main(files: list[str], group: str, out_dir: str) -> None:
-    """One rank (or the single process): loads the files and writes its result to `out_dir`."""
+def rank_main(files: list[str], group: str, out_dir: str, digests: str | None = None) -> None:
+    """One rank (or the single process): loads the files (verified against the JSON file of
+    digests `digests`, if given) and writes its result to `out_dir`."""
     import torch.distributed as dist
 
     import fastsafetensors_rs as fst
+    from fastsafetensors_rs.distributed import verified_bytes
+
+    verify = fst.Digests(json.loads(Path(digests).read_text())) if digests else None
 
     pg = None
     if group != "none":
         dist.init_process_group("gloo")
         pg = fst.node_group() if group == "node" else dist.group.WORLD  # "exchange": no load
         dist.barrier()
-    before, start = read_bytes(), time.perf_counter()
+    before, hashed, start = read_bytes(), verified_bytes(), time.perf_counter()
     if group == "exchange":
         exchange(sum(os.path.getsize(f) for f in files))
         count = 0
     else:
-        count = len(fst.load(files, process_group=pg))
+        count = len(fst.load(files, process_group=pg, verify=verify))
     seconds = time.perf_counter() - start
     result = {"seconds": seconds, "read": read_bytes() - before, "tensors": count,
-              "node": os.environ.get("GROUP_RANK", "0")}
+              "hashed": verified_bytes() - hashed, "node": os.environ.get("GROUP_RANK", "0")}
     if pg is not None:
         dist.barrier()
         dist.destroy_process_group()
@@ -98,10 +105,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(variant: str, files: list[str]) -> list[dict[str, Any]]:
+def launch(variant: str, files: list[str], digests: str) -> list[dict[str, Any]]:
     """Runs one variant once; returns every rank's result."""
     out_dir = tempfile.mkdtemp(prefix="fanout-")
     me = [str(HERE), "--rank-worker", "--out", out_dir, *files]
+    if "verified" in variant:
+        me += ["--digests", digests]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--master-addr", "127.0.0.1"]
     if variant == "single":
@@ -126,13 +135,21 @@ def launch(variant: str, files: list[str]) -> list[dict[str, Any]]:
 
 
 def measure(files: list[str], runs: int) -> dict[str, list[list[dict[str, Any]]]]:
+    import hashlib
+
     samples: dict[str, list[list[dict[str, Any]]]] = {v: [] for v in VARIANTS}
+    digests = Path(tempfile.mkdtemp(prefix="fanout-digests-")) / "digests.json"
+    hashes = {}
+    for f in files:
+        with open(f, "rb") as fh:
+            hashes[os.path.basename(f)] = "sha256:" + hashlib.file_digest(fh, "sha256").hexdigest()
+    digests.write_text(json.dumps(hashes))
     for r in range(runs):
         order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
         for variant in order:
             evict(files)
             time.sleep(SETTLE_SECONDS)
-            samples[variant].append(launch(variant, files))
+            samples[variant].append(launch(variant, files, str(digests)))
     return samples
 
 
@@ -152,6 +169,20 @@ def report(samples: dict[str, list[list[dict[str, Any]]]], total: int) -> tuple[
                      f"{read:>9.2f} {per_node:>9.2f}")
         if "exchange" in variant:
             lines[-1] += "   (no reads: gloo's all-gathers alone)"
+        elif variant.endswith("verified"):
+            world = int(variant.split()[0])
+            share = total / world
+            read_rank = statistics.median(max(r["read"] for r in run) for run in runs) / share
+            hashed = statistics.median(max(r["hashed"] for r in run) for run in runs) / share
+            hashed_all = statistics.median(sum(r["hashed"] for r in run) for run in runs) / total
+            plain = statistics.median(max(r["seconds"] for r in run) for run in samples[f"{world} ranks"])
+            numbers[variant].update(read_per_rank=read_rank, hashed_per_rank=hashed, hashed_ratio=hashed_all,
+                                    vs_unverified=plain / slowest)
+            lines[-1] += (f"   (per rank: read {read_rank:.2f}x, hashed {hashed:.2f}x its 1/{world}; "
+                          f"hashed in all {hashed_all:.2f}x)")
+            verdicts.append(f"fan-out {variant}: {plain / slowest:.2f}x the unverified load's rate (target >= 0.9): "
+                            f"{'MET' if plain / slowest >= 0.9 else 'MISS'}; the most any rank hashed "
+                            f"{hashed:.2f}x its 1/{world} share, in all {hashed_all:.2f}x the checkpoint")
         elif variant.endswith("ranks"):
             verdicts.append(f"fan-out {variant}: read {read:.2f}x the checkpoint (target <= 1.05): "
                             f"{'MET' if read <= 1.05 else 'MISS'}; slowest rank {slowest / single:.2f}x a "
@@ -180,9 +211,10 @@ def main() -> int:
     ap.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--group", default="none", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--digests", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rank_worker:
-        rank_main(args.files, args.group, args.out)
+        rank_main(args.files, args.group, args.out, args.digests)
         return 0
     verdicts, _ = run([Path(f) for f in args.files], args.runs)
     print("\n".join(verdicts))
