@@ -954,23 +954,18 @@ def test_a_killed_save_leaves_every_file_whole(tmp_path):
 # ---------------------------------------------------------------- the order that makes a save durable
 
 
-def test_every_file_is_synced_before_its_rename_and_the_index_is_renamed_last(tmp_path):
-    """What docs/save.md promises, seen in the system calls of a real save (strace): each
-    temporary file is fsynced before it is renamed to its name, the index is renamed after
-    every shard, and the directory is fsynced after the renames."""
+def _traced_save(tmp_path, code: str, *args) -> list:
+    """The fsyncs and renames of `code` run with `args` (strace), in the order they completed:
+    ("fsync", path), ("rename", source, target, call text)."""
     strace = shutil.which("strace")
     if strace is None:
         pytest.skip("strace is not installed: the order of the system calls cannot be observed")
-    d = tmp_path / "ckpt"
-    log = tmp_path / "strace.log"
-    code = ("import sys, torch, fastsafetensors_rs as F\n"
-            "F.save({f'w{i}': torch.full((50_000,), i, dtype=torch.uint8) for i in range(4)}, sys.argv[1],"
-            " max_shard_size=120_000)\n")
+    log = tmp_path / f"strace.{time.monotonic_ns()}.log"
     proc = subprocess.run([strace, "-f", "-y", "-qq", "-o", str(log), "-e", "trace=fsync,fdatasync,rename,renameat,renameat2",
-                           sys.executable, "-c", code, str(d)], capture_output=True, text=True, timeout=120,
+                           sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=120,
                           env=U.subprocess_env())
     assert proc.returncode == 0, proc.stderr
-    events = []  # ("fsync", path) or ("rename", source, target), in the order they completed
+    events = []
     pending = {}  # pid -> the call it started, where strace split it ("<unfinished ...>")
     for line in log.read_text().splitlines():
         pid, call = line.split(None, 1)
@@ -986,7 +981,49 @@ def test_every_file_is_synced_before_its_rename_and_the_index_is_renamed_last(tm
             events.append(("fsync", m.group(1)))
         m = re.match(r"rename(?:at2?)?\((?:[^,\"]*, )?\"([^\"]+)\", (?:[^,\"]*, )?\"([^\"]+)\"", call)
         if m:
-            events.append(("rename", m.group(1), m.group(2)))
+            events.append(("rename", m.group(1), m.group(2), call))
+    return events
+
+
+_SAVE_FOUR = ("import sys, torch, fastsafetensors_rs as F\n"
+              "F.save({f'w{i}': torch.full((50_000,), i + int(sys.argv[2]), dtype=torch.uint8) for i in range(4)},"
+              " sys.argv[1], max_shard_size=120_000)\n")
+
+
+def test_every_file_is_synced_before_the_directory_is_exchanged_and_the_parent_synced_after(tmp_path):
+    """What docs/save.md promises, seen in the system calls of real saves (strace): the shards
+    and the index are written into a staging directory beside the checkpoint and each
+    fsynced, the staging directory is fsynced, then it is renamed to the checkpoint's name (a
+    new directory) or swapped with the checkpoint directory by one
+    renameat2(RENAME_EXCHANGE), and the parent is fsynced after that. No file is renamed into
+    the checkpoint directory one by one."""
+    d = tmp_path / "ckpt"
+    code = _SAVE_FOUR + "open(sys.argv[1] + '/config.json', 'w').write('{}')\n" + _SAVE_FOUR.split("\n", 1)[1]
+    events = _traced_save(tmp_path, code, d, 1)
+    commits = [e for e in events if e[0] == "rename" and e[2] == str(d)]
+    assert len(commits) == 2, events
+    assert "RENAME_EXCHANGE" not in commits[0][3] and "RENAME_EXCHANGE" in commits[1][3], commits
+    assert not [e for e in events if e[0] == "rename" and e not in commits], events
+    for commit in commits:
+        stage = commit[1]
+        assert Path(stage).parent == tmp_path and TEMP.match(Path(stage).name)["final"] == "ckpt", stage
+        at = events.index(commit)
+        synced = {e[1] for e in events[:at] if e[0] == "fsync"}
+        for name in ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", INDEX]:
+            assert f"{stage}/{name}" in synced, f"{name} not synced before the commit: {events}"
+        assert stage in synced, f"the staging directory is not synced before the commit: {events}"
+        assert ("fsync", str(tmp_path)) in events[at:], f"the parent is not synced after the commit: {events}"
+    assert listing(d) == ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", INDEX]
+    assert listing(tmp_path) == ["ckpt", *[n for n in listing(tmp_path) if n.startswith("strace")]]
+
+
+def test_in_place_commits_rename_each_file_synced_and_the_index_last(tmp_path):
+    """FASTSAFETENSORS_SAVE_COMMIT=in-place (and directories that cannot be replaced: a mount
+    point, the working directory): each file synced before it is renamed to its name, the
+    index renamed after every shard, the directory synced after the renames."""
+    d = tmp_path / "ckpt"
+    code = f"import os; os.environ['FASTSAFETENSORS_SAVE_COMMIT'] = 'in-place'\n{_SAVE_FOUR}"
+    events = _traced_save(tmp_path, code, d, 0)
     renames = [e for e in events if e[0] == "rename" and str(d) in e[2]]
     names = [Path(e[2]).name for e in renames]
     assert len(names) == 3 and names[-1] == INDEX and all(n.startswith("model-0000") for n in names[:-1]), events
