@@ -146,16 +146,21 @@ class _RankFailed(SafetensorError):
     """Another rank of a group save failed: this one fails with its message."""
 
 
-def _agree(process_group: Any, mine: Any) -> List[Any]:
-    """Every rank's `mine`, gathered; a rank that left the group fails this one clearly."""
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+
+
+def _agree(process_group: Any, mine: Any, target: str) -> List[Any]:
+    """Every rank's `mine`, gathered (before the commit); a rank that left the group fails this
+    one clearly."""
     import torch.distributed as dist
 
     out: List[Any] = [None] * dist.get_world_size(process_group)
     try:
         dist.all_gather_object(out, mine, group=process_group)
     except RuntimeError as e:
-        raise _RankFailed(f"the group save failed: a rank left the group ({str(e).splitlines()[0] if str(e) else e!r})"
-                          ) from e
+        raise _RankFailed(f"{target}: the group save failed and nothing was committed: a rank left the group "
+                          f"({_first_line(e)})") from e
     return out
 
 
@@ -178,6 +183,7 @@ def group_save(tensors: Mapping[str, torch.Tensor], target: str, max_shard_size:
     rank = dist.get_rank(process_group) if process_group is not None else 0
     world = dist.get_world_size(process_group) if process_group is not None else 1
     budget = _max_memory(max_memory) or ""
+    where = os.path.dirname(files[0]["path"]) if files else target
     error: Optional[BaseException] = None
     try:
         _check(tensors, metadata)
@@ -186,7 +192,7 @@ def group_save(tensors: Mapping[str, torch.Tensor], target: str, max_shard_size:
     request = {"target": target, "max_shard_size": max_shard_size, "files": files,
                "metadata": dict(metadata) if metadata is not None else None}
     mine = {"error": str(error)} if error is not None else {"tensors": _described(tensors), **request}
-    statuses = _agree(process_group, mine) if world > 1 else [mine]
+    statuses = _agree(process_group, mine, where) if world > 1 else [mine]
     if error is not None:
         raise error
     _first_failure(statuses)
@@ -205,7 +211,7 @@ def group_save(tensors: Mapping[str, torch.Tensor], target: str, max_shard_size:
             begun = {"locations": list(out[2:])}
         except RuntimeError as e:
             begun, error = {"error": str(e)}, e
-        statuses = _agree(process_group, begun) if world > 1 else [begun]
+        statuses = _agree(process_group, begun, where) if world > 1 else [begun]
         if error is not None:
             raise error
         _first_failure(statuses)
@@ -215,7 +221,7 @@ def group_save(tensors: Mapping[str, torch.Tensor], target: str, max_shard_size:
             status: Any = {"bytes": written}
         except RuntimeError as e:
             status, error = {"error": str(e)}, e
-        statuses = _agree(process_group, status) if world > 1 else [status]
+        statuses = _agree(process_group, status, where) if world > 1 else [status]
         if error is not None:
             raise error
         _first_failure(statuses)
@@ -233,8 +239,9 @@ def group_save(tensors: Mapping[str, torch.Tensor], target: str, max_shard_size:
             try:
                 dist.broadcast_object_list(box, src=dist.get_global_rank(process_group, 0), group=process_group)
             except RuntimeError as e:
-                raise _RankFailed(f"the group save failed: rank 0 left the group before saying whether it committed "
-                                  f"({str(e).splitlines()[0] if str(e) else e!r})") from e
+                raise _RankFailed(f"{where}: the group save failed: rank 0 left the group before saying whether it "
+                                  f"committed (the target holds the earlier contents or the new ones) "
+                                  f"({_first_line(e)})") from e
             outcome = box[0]
         if error is not None:
             raise error

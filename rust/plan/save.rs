@@ -684,4 +684,145 @@ mod tests {
         assert_eq!((one.files.len(), one.index), (1, None));
         assert_eq!(one.files[0].path, dir.join(SINGLE_FILE));
     }
+
+    fn rank_tensor(name: &str, dtype: &str, shape: &[i64]) -> RankTensor {
+        RankTensor { name: name.into(), dtype: dtype.into(), shape: shape.to_vec() }
+    }
+
+    #[test]
+    fn a_group_s_tensors_are_its_ranks_names_once_grouped_by_holders() {
+        let shared = rank_tensor("embed", "bfloat16", &[4, 8]);
+        let ranks = vec![
+            vec![rank_tensor("s0.a", "float32", &[3]), shared.clone()],
+            vec![shared.clone(), rank_tensor("s1.a", "float16", &[5]), rank_tensor("s1.b", "uint8", &[7])],
+            vec![shared.clone()],
+        ];
+        let group = group_tensors(&ranks).unwrap();
+        let names: Vec<&str> = group.tensors.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["s0.a", "embed", "s1.a", "s1.b"]);
+        assert_eq!(group.holders, [vec![0], vec![0, 1, 2], vec![1], vec![1]]);
+        assert_eq!(group.segments, [0..1, 1..2, 2..4]);
+        assert!(group.tensors.iter().enumerate().all(|(i, t)| t.source == i));
+
+        let mut differs = ranks.clone();
+        differs[2][0].shape = vec![8, 4];
+        let err = group_tensors(&differs).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "tensor 'embed' cannot be saved: rank 0 holds it as torch.bfloat16 [4, 8] and rank 2 as torch.bfloat16 [8, 4]: a name several ranks hold is one tensor, replicated"
+        );
+        let mut twice = ranks;
+        twice[1].push(rank_tensor("s1.a", "float16", &[5]));
+        assert!(group_tensors(&twice).unwrap_err().to_string().contains("given twice by rank 1"));
+    }
+
+    #[test]
+    fn a_group_directory_keeps_each_holders_tensors_in_shards_of_their_own() {
+        let ranks: Vec<Vec<RankTensor>> =
+            (0..3).map(|r| (0..3).map(|i| rank_tensor(&format!("s{r}.{i}"), "uint8", &[100])).collect()).collect();
+        let group = group_tensors(&ranks).unwrap();
+        let target = SaveTarget::Directory { dir: "/ckpt".into(), max_shard_size: 1000 };
+        let plan = plan_group_save(&group, &target, None).unwrap();
+        // Each rank's 300 bytes would fit one shard; they are kept apart: 3 shards.
+        let members: Vec<Vec<String>> = plan.files.iter().map(|f| f.names.clone()).collect();
+        assert_eq!(members, [["s0.0", "s0.1", "s0.2"], ["s1.0", "s1.1", "s1.2"], ["s2.0", "s2.1", "s2.2"]]);
+        assert!(plan.index.is_some());
+        // One rank's group is the single-process plan.
+        let one = group_tensors(&ranks[..1]).unwrap();
+        let alone = plan_save(one.tensors.clone(), &target, None).unwrap();
+        assert_eq!(plan_group_save(&one, &target, None).unwrap(), alone);
+    }
+
+    /// Every byte of every file in exactly one rank's ranges, units whole, ranges sorted.
+    fn check_cover(files: &[FileLayout], ranges: &[Vec<WriteRange>], unit: u64) {
+        for (f, file) in files.iter().enumerate() {
+            let mut pieces: Vec<(u64, u64)> =
+                ranges.iter().flatten().filter(|r| r.file == f).map(|r| (r.start, r.end)).collect();
+            pieces.sort();
+            let mut at = 0;
+            for (start, end) in pieces {
+                assert_eq!(start, at, "file {f}: a gap or an overlap at {at}");
+                assert!(start % unit == 0 && (end % unit == 0 || end == file.len), "{start}..{end}");
+                at = end;
+            }
+            assert_eq!(at, file.len, "file {f}");
+        }
+    }
+
+    #[test]
+    fn replicated_bytes_are_split_evenly_in_contiguous_ranges() {
+        let tensors: Vec<SaveTensor> =
+            (0..8).map(|i| t(&format!("w{i}"), Dtype::U8, &[1_000_000 + i as u64], i)).collect();
+        let target = SaveTarget::Directory { dir: "/ckpt".into(), max_shard_size: 2_500_000 };
+        let plan = plan_save(tensors, &target, None).unwrap();
+        for world in 1..=5 {
+            let holders = vec![(0..world).collect::<Vec<usize>>(); 8];
+            let ranges = assign_ranges(&plan.files, &holders, world, 1 << 16).unwrap();
+            check_cover(&plan.files, &ranges, 1 << 16);
+            let loads: Vec<u64> = ranges.iter().map(|r| r.iter().map(|r| r.end - r.start).sum()).collect();
+            let (min, max) = (loads.iter().min().unwrap(), loads.iter().max().unwrap());
+            assert!(max - min <= 1 << 16, "{world} ranks: {loads:?}");
+            // Contiguous: at most one range per file and rank, and a rank's ranges adjacent.
+            for r in &ranges {
+                for pair in r.windows(2) {
+                    assert!(
+                        pair[0].end == plan.files[pair[0].file].len
+                            && pair[1].start == 0
+                            && pair[1].file == pair[0].file + 1,
+                        "{r:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn each_rank_writes_what_only_it_holds_and_a_share_of_the_rest() {
+        // Rank 0 and 1 each hold 3 MB of their own; all three ranks hold 3 MB more.
+        let mut ranks: Vec<Vec<RankTensor>> = vec![Vec::new(); 3];
+        for r in 0..2 {
+            ranks[r] = (0..3).map(|i| rank_tensor(&format!("s{r}.{i}"), "uint8", &[1 << 20])).collect();
+        }
+        for rank in ranks.iter_mut() {
+            rank.extend((0..3).map(|i| rank_tensor(&format!("shared.{i}"), "uint8", &[1 << 20])));
+        }
+        let group = group_tensors(&ranks).unwrap();
+        let plan = plan_group_save(&group, &SaveTarget::Directory { dir: "/c".into(), max_shard_size: 4 << 20 }, None)
+            .unwrap();
+        let ranges = assign_ranges(&plan.files, &group.holders, 3, ASSIGN_UNIT).unwrap();
+        check_cover(&plan.files, &ranges, ASSIGN_UNIT);
+        let loads: Vec<u64> = ranges.iter().map(|r| r.iter().map(|r| r.end - r.start).sum()).collect();
+        // 9 MB and headers: rank 2 takes the shared ones, so every rank writes about 3 MB.
+        let total: u64 = plan.bytes();
+        assert_eq!(loads.iter().sum::<u64>(), total);
+        for load in &loads {
+            assert!(load.abs_diff(total / 3) <= ASSIGN_UNIT, "{loads:?}");
+        }
+        for (rank, r) in ranges.iter().enumerate() {
+            for range in r {
+                let file = &plan.files[range.file];
+                for p in file.tensors.iter().filter(|p| p.offset < range.end && p.offset + p.nbytes > range.start) {
+                    assert!(group.holders[p.source].contains(&rank), "rank {rank} writes a tensor it lacks");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn one_file_of_tensors_no_rank_holds_together_is_refused() {
+        let ranks = vec![vec![rank_tensor("a", "uint8", &[10])], vec![rank_tensor("b", "uint8", &[10])]];
+        let group = group_tensors(&ranks).unwrap();
+        let plan = plan_group_save(&group, &SaveTarget::File("/x.safetensors".into()), None).unwrap();
+        let err = assign_ranges(&plan.files, &group.holders, 2, ASSIGN_UNIT).unwrap_err().to_string();
+        assert!(err.contains("/x.safetensors: tensor") && err.contains("save a checkpoint directory"), "{err}");
+    }
+
+    #[test]
+    fn water_fill_levels_the_loads() {
+        assert_eq!(water_fill(&[0, 0], 10), [5, 5]);
+        assert_eq!(water_fill(&[8, 0], 10), [1, 9]);
+        assert_eq!(water_fill(&[20, 0, 2], 10), [0, 6, 4]);
+        assert_eq!(water_fill(&[0, 0, 0], 10).iter().sum::<u64>(), 10);
+        assert_eq!(water_fill(&[3], 0), [0]);
+    }
 }

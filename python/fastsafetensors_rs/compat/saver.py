@@ -21,7 +21,7 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence
 import torch
 
 from .._errors import mapped_errors
-from ..saving import _group_size, group_save
+from ..saving import SAVABLE, _group_size, group_save
 from .tensor import TensorBase
 from .types import DType
 
@@ -60,6 +60,8 @@ def plain_entry(name: str, tensor: Any, *, framework: str = "pytorch") -> WriteE
     if framework != "pytorch":
         raise ValueError(f"framework={framework!r}: only 'pytorch' is supported")
     t = _tensor(tensor, name)
+    if t.dtype not in SAVABLE:
+        raise ValueError(f"tensor '{name}' cannot be saved: safetensors has no dtype for {t.dtype}")
     shape = list(t.shape)
     if t.dtype == torch.float4_e2m1fn_x2 and shape:
         shape[-1] *= 2  # safetensors counts float4 values, torch pairs of them
