@@ -297,6 +297,7 @@ impl SaveSession {
     /// Starts a save as its committing rank, which writes `ranges` of the files itself.
     pub fn begin(plan: SavePlan, target: &SaveTarget, ranges: Vec<WriteRange>, direct: bool) -> Result<SaveSession> {
         let name = |path: &Path| path.file_name().unwrap_or_default().to_string_lossy().into_owned();
+        let commit = Commit::from_env()?; // checked by every save, whichever it takes
         let (checkpoint, sinks, index) = match target {
             SaveTarget::Directory { dir, .. } => {
                 let names: Vec<String> = plan
@@ -306,7 +307,7 @@ impl SaveSession {
                     .chain(plan.index.iter().map(|i| &i.0))
                     .map(|p| name(p))
                     .collect();
-                let checkpoint = CheckpointDir::prepare(dir, &names, Commit::from_env()?)?;
+                let checkpoint = CheckpointDir::prepare(dir, &names, commit)?;
                 let sinks = plan
                     .files
                     .iter()

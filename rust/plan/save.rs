@@ -429,6 +429,17 @@ pub fn plan_group_save(
     target: &SaveTarget,
     metadata: Option<&BTreeMap<String, String>>,
 ) -> Result<SavePlan> {
+    if let (SaveTarget::File(_) | SaveTarget::Files(_), [first, second, ..]) = (target, &group.segments[..]) {
+        let (a, b) = (first.start, second.start);
+        let path = match target {
+            SaveTarget::File(path) => path.display().to_string(),
+            _ => "the files".to_owned(),
+        };
+        return Err(Error::InvalidArgument(format!(
+            "{path}: the ranks give different tensors ('{}' from ranks {:?}, '{}' from ranks {:?}), and a file of a group's save holds tensors every writing rank has: ranks holding different tensors save a checkpoint directory (save(..., process_group=...)), whose shards keep them apart",
+            group.tensors[a].name, group.holders[a], group.tensors[b].name, group.holders[b]
+        )));
+    }
     plan_segments(group.tensors.clone(), &group.segments, target, metadata)
 }
 
@@ -465,19 +476,21 @@ pub fn assign_ranges(
             let first = file.tensors.partition_point(|t| t.offset + t.nbytes <= start);
             let mut writers = everyone.clone();
             let mut named: Option<usize> = None;
-            for t in file.tensors[first..].iter().take_while(|t| t.offset < end).filter(|t| t.nbytes > 0) {
+            let within = file.tensors[first..].iter().zip(&file.names[first..]).enumerate();
+            for (k, (t, name)) in within.take_while(|(_, (t, _))| t.offset < end).filter(|(_, (t, _))| t.nbytes > 0) {
                 let h = &holders[t.source];
                 writers.retain(|r| h.contains(r));
                 if writers.is_empty() {
-                    let (a, b) = (named.unwrap_or(t.source), t.source);
+                    let a = named.unwrap_or(first + k);
                     return Err(Error::InvalidArgument(format!(
-                        "{}: tensor {a} (held by ranks {:?}) and tensor {b} (ranks {:?}) would share bytes no rank holds both of: ranks holding different tensors save a checkpoint directory, whose shards keep them apart",
+                        "{}: tensors '{}' (held by ranks {:?}) and '{name}' (ranks {:?}) share a write unit that no rank holds whole: ranks holding different tensors save a checkpoint directory, whose shards keep them apart",
                         file.path.display(),
-                        holders[a],
-                        holders[b]
+                        file.names[a],
+                        holders[file.tensors[a].source],
+                        h
                     )));
                 }
-                named.get_or_insert(t.source);
+                named.get_or_insert(first + k);
             }
             units.push((WriteRange { file: f, start, end }, writers));
         }
@@ -780,8 +793,8 @@ mod tests {
     fn each_rank_writes_what_only_it_holds_and_a_share_of_the_rest() {
         // Rank 0 and 1 each hold 3 MB of their own; all three ranks hold 3 MB more.
         let mut ranks: Vec<Vec<RankTensor>> = vec![Vec::new(); 3];
-        for r in 0..2 {
-            ranks[r] = (0..3).map(|i| rank_tensor(&format!("s{r}.{i}"), "uint8", &[1 << 20])).collect();
+        for (r, rank) in ranks.iter_mut().take(2).enumerate() {
+            *rank = (0..3).map(|i| rank_tensor(&format!("s{r}.{i}"), "uint8", &[1 << 20])).collect();
         }
         for rank in ranks.iter_mut() {
             rank.extend((0..3).map(|i| rank_tensor(&format!("shared.{i}"), "uint8", &[1 << 20])));
@@ -812,9 +825,17 @@ mod tests {
     fn one_file_of_tensors_no_rank_holds_together_is_refused() {
         let ranks = vec![vec![rank_tensor("a", "uint8", &[10])], vec![rank_tensor("b", "uint8", &[10])]];
         let group = group_tensors(&ranks).unwrap();
-        let plan = plan_group_save(&group, &SaveTarget::File("/x.safetensors".into()), None).unwrap();
+        let err = plan_group_save(&group, &SaveTarget::File("/x.safetensors".into()), None).unwrap_err().to_string();
+        assert!(err.starts_with("invalid argument: /x.safetensors: the ranks give different tensors ('a' from ranks [0], 'b' from ranks [1])"), "{err}");
+        // Laid out together all the same, the unit they share has no writer.
+        let plan = plan_save(group.tensors.clone(), &SaveTarget::File("/x.safetensors".into()), None).unwrap();
         let err = assign_ranges(&plan.files, &group.holders, 2, ASSIGN_UNIT).unwrap_err().to_string();
-        assert!(err.contains("/x.safetensors: tensor") && err.contains("save a checkpoint directory"), "{err}");
+        assert!(err.contains("/x.safetensors: tensors 'a' (held by ranks [0]) and 'b' (ranks [1])"), "{err}");
+        // One rank giving nothing is no difference: the others write it all.
+        let ranks = vec![vec![rank_tensor("a", "uint8", &[10])], vec![]];
+        let group = group_tensors(&ranks).unwrap();
+        let plan = plan_group_save(&group, &SaveTarget::File("/x.safetensors".into()), None).unwrap();
+        assert_eq!(assign_ranges(&plan.files, &group.holders, 2, ASSIGN_UNIT).unwrap()[1], []);
     }
 
     #[test]

@@ -331,7 +331,7 @@ fn left_behind(dir: &Path, name: &str, kind: std::fs::FileType) -> bool {
 /// synced.
 fn carry(from: &Path, to: &Path, meta: &std::fs::Metadata) -> std::io::Result<()> {
     carry_entries(from, to, true)?;
-    same_attributes(to, meta)?;
+    same_attributes(to, meta, false)?;
     File::open(to)?.sync_all()
 }
 
@@ -347,7 +347,7 @@ fn carry_entries(from: &Path, to: &Path, top: bool) -> std::io::Result<()> {
         if kind.is_dir() {
             std::fs::create_dir(&target)?;
             carry_entries(&source, &target, false)?;
-            same_attributes(&target, &std::fs::symlink_metadata(&source)?)?;
+            same_attributes(&target, &std::fs::symlink_metadata(&source)?, true)?;
             File::open(&target)?.sync_all()?;
         } else {
             // linkat without AT_SYMLINK_FOLLOW: a symbolic link is linked, not its target.
@@ -357,19 +357,22 @@ fn carry_entries(from: &Path, to: &Path, top: bool) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Gives directory `path` the mode, owner (where this process may) and times of `meta`.
-fn same_attributes(path: &Path, meta: &std::fs::Metadata) -> std::io::Result<()> {
+/// Gives directory `path` the mode and owner (where this process may) of `meta`, and its
+/// times with `times` (a carried directory is unchanged; the checkpoint directory is not).
+fn same_attributes(path: &Path, meta: &std::fs::Metadata, times: bool) -> std::io::Result<()> {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(meta.mode() & 0o7777))?;
     let c = CString::new(path.as_os_str().as_bytes()).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
     // SAFETY: plain system calls on a NUL-terminated path. The owner is best effort: only
     // root may give a directory to another user.
     unsafe {
         let _ = libc::lchown(c.as_ptr(), meta.uid(), meta.gid());
-        let times = [
-            libc::timespec { tv_sec: meta.atime(), tv_nsec: meta.atime_nsec() },
-            libc::timespec { tv_sec: meta.mtime(), tv_nsec: meta.mtime_nsec() },
-        ];
-        let _ = libc::utimensat(libc::AT_FDCWD, c.as_ptr(), times.as_ptr(), libc::AT_SYMLINK_NOFOLLOW);
+        if times {
+            let stamps = [
+                libc::timespec { tv_sec: meta.atime(), tv_nsec: meta.atime_nsec() },
+                libc::timespec { tv_sec: meta.mtime(), tv_nsec: meta.mtime_nsec() },
+            ];
+            let _ = libc::utimensat(libc::AT_FDCWD, c.as_ptr(), stamps.as_ptr(), libc::AT_SYMLINK_NOFOLLOW);
+        }
     }
     Ok(())
 }

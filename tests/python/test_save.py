@@ -665,6 +665,19 @@ def test_temporaries_of_saves_that_are_gone_are_removed_by_the_next_save(tmp_pat
         sleeper.wait()
 
 
+@pytest.mark.parametrize("how", ["save_file", "save"])
+def test_a_malformed_commit_setting_fails_every_save_naming_it(tmp_path, monkeypatch, how):
+    monkeypatch.setenv("FASTSAFETENSORS_SAVE_COMMIT", "atomic")
+    with pytest.raises(RuntimeError) as info:
+        if how == "save_file":
+            fastsafetensors_rs.save_file({"w": _x()}, tmp_path / "x.safetensors")
+        else:
+            fastsafetensors_rs.save({"w": _x()}, tmp_path / "ckpt")
+    assert assert_one_line_naming(info.value) == ("FASTSAFETENSORS_SAVE_COMMIT='atomic' is not valid: expected "
+                                                  "exchange, rename or in-place (or unset it for the default)")
+    assert listing(tmp_path) == []
+
+
 def test_safetensor_error_is_what_callers_catch():
     assert issubclass(SafetensorError, RuntimeError)
     import safetensors
@@ -757,7 +770,10 @@ def test_a_full_filesystem_fails_before_writing_and_keeps_the_earlier_checkpoint
         assert os.statvfs(mnt).f_bfree == free, "space still held by a removed temporary"
 
         ckpt = mnt / "ckpt"
-        fastsafetensors_rs.save(small, ckpt)
+        fastsafetensors_rs.save({"w0": _x()}, ckpt)
+        inode = ckpt.stat().st_ino
+        fastsafetensors_rs.save(small, ckpt)  # over it: tmpfs exchanges directories too
+        assert ckpt.stat().st_ino != inode and listing(mnt) == ["ckpt"]
         earlier = (ckpt / SINGLE).read_bytes()
         free = os.statvfs(mnt).f_bfree
         with pytest.raises(OSError) as info:

@@ -96,6 +96,17 @@ class Worker:
         tensors = {"embed": replicated()["layers.0.w"]} | own(self.rank)
         return self._measured(lambda: fst.save(tensors, out, max_shard_size=4 * MB, process_group=self.group))
 
+    def one_file_distinct(self) -> dict:
+        """One file of tensors the ranks hold apart: refused on every rank, nothing written."""
+        import fastsafetensors_rs as fst
+
+        out = self.d / f"one_file_distinct.w{self.world}.safetensors"
+        try:
+            fst.save_file(own(self.rank), out, process_group=self.group)
+            return {"error": None, "exists": out.exists()}
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}", "exists": out.exists()}
+
     def compat(self) -> dict:
         from fastsafetensors_rs.compat import saver
 
@@ -145,7 +156,7 @@ class Worker:
             return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - started}
 
 
-SCENARIOS = ["replicated", "one_file", "distinct", "compat", "refused"]
+SCENARIOS = ["replicated", "one_file", "distinct", "one_file_distinct", "compat", "refused"]
 
 
 def worker_main(mode: str, d: str, rank: int, world: int, init_file: str) -> int:
@@ -278,6 +289,18 @@ def test_ranks_holding_their_own_tensors_write_them_under_one_index(runs):
             assert mine <= w <= mine + shared / world + MB + 64 * 1024, (rank, wrote)
 
 
+def test_one_file_of_tensors_the_ranks_hold_apart_is_refused_on_every_rank(runs):
+    d, world, results = runs
+    for r in results:
+        got = r["one_file_distinct"]
+        if world == 1:
+            assert got == {"error": None, "exists": True}
+            continue
+        assert "the ranks give different tensors ('stage0.0.w' from ranks [0], 'stage1.0.w' from ranks [1])" in (
+            got["error"]), got
+        assert "save a checkpoint directory" in got["error"] and "\n" not in got["error"] and not got["exists"]
+
+
 def test_the_compatible_parallel_saver_writes_ibm_shards_from_the_group(runs):
     d, world, results = runs
     paths = results[0]["compat"]["paths"]
@@ -309,7 +332,7 @@ def test_a_tensor_refused_on_one_rank_fails_every_rank_and_keeps_the_old_checkpo
     assert [n for n in os.listdir(d) if n.startswith(".")] == []
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [3])
 def test_a_rank_killed_mid_save_fails_every_rank_and_keeps_the_old_checkpoint(tmp_path, world):
     init_file = tmp_path / "init"
     procs = [subprocess.Popen([sys.executable, __file__, "killed", str(tmp_path), str(r), str(world), str(init_file)],
