@@ -90,7 +90,7 @@ impl FileSink {
     }
 
     /// Opens a file another process created and writes parts of (a group save): never
-    /// created, cut, published or removed through this sink. `direct` as for [`create`].
+    /// created, cut, published or removed through this sink. `direct` as for [`FileSink::create`].
     pub fn open_existing(path: &Path, at: &Path, direct: bool) -> Result<FileSink> {
         let open = |flags: i32| OpenOptions::new().write(true).custom_flags(flags).open(at);
         let (file, direct) = match direct {

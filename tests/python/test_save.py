@@ -449,6 +449,24 @@ def test_a_resave_removes_the_earlier_checkpoint_files_only(tmp_path):
     assert (d / "sub" / SINGLE).read_bytes() == b"another directory's"
 
 
+def test_a_save_into_the_working_directory_commits_in_place(tmp_path, monkeypatch):
+    """A directory this process works in is not replaced (its working directory would be the
+    removed old one): the files are renamed in one by one, and relative paths keep working."""
+    d = tmp_path / "ckpt"
+    fastsafetensors_rs.save({"w": _x()}, d)
+    inode = d.stat().st_ino
+    monkeypatch.chdir(d)
+    tensors = shard_specs()
+    paths = fastsafetensors_rs.save(tensors, ".", max_shard_size=8000)
+    assert d.stat().st_ino == inode and os.path.samefile(".", d)
+    assert paths[-1] == f"./{INDEX}" and sorted(os.listdir(".")) == sorted(os.path.basename(p) for p in paths)
+    U.assert_same_dict(fastsafetensors_rs.load("."), tensors)
+    # Elsewhere, the same directory is replaced as a whole.
+    monkeypatch.chdir(tmp_path)
+    fastsafetensors_rs.save(tensors, d, max_shard_size=8000)
+    assert d.stat().st_ino != inode
+
+
 def test_save_creates_missing_directories(tmp_path):
     tensors = {"w": U.random_tensor(torch.float32, (4,), 1)}
     d = tmp_path / "a" / "b" / "ckpt"
