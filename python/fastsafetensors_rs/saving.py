@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
 import torch
 
@@ -164,11 +164,22 @@ def _agree(process_group: Any, mine: Any, target: str) -> List[Any]:
     return out
 
 
-def _first_failure(statuses: List[Any]) -> None:
-    """Raises the failure of the first rank whose status is an error (on every rank)."""
+def _step(process_group: Any, world: int, where: str, run: Callable[[], Any]) -> List[Any]:
+    """One step of a group save: `run()` on this rank, then every rank's result gathered. This
+    rank's failure is raised here, and the first failing rank's on the others: every rank
+    fails alike, and the group stays in step."""
+    error: Optional[BaseException] = None
+    try:
+        mine: Any = {"ok": run()}
+    except Exception as e:  # any failure must reach the other ranks, or they would wait for this one
+        mine, error = {"error": str(e)}, e
+    statuses = _agree(process_group, mine, where) if world > 1 else [mine]
+    if error is not None:
+        raise error
     for rank, status in enumerate(statuses):
-        if isinstance(status, dict) and "error" in status:
+        if "error" in status:
             raise _RankFailed(f"rank {rank} of the group: {status['error']}")
+    return [status["ok"] for status in statuses]
 
 
 def group_save(tensors: Mapping[str, torch.Tensor], target: str, max_shard_size: int,
@@ -184,56 +195,38 @@ def group_save(tensors: Mapping[str, torch.Tensor], target: str, max_shard_size:
     world = dist.get_world_size(process_group) if process_group is not None else 1
     budget = _max_memory(max_memory) or ""
     where = os.path.dirname(files[0]["path"]) if files else target
-    error: Optional[BaseException] = None
-    try:
-        _check(tensors, metadata)
-    except (ValueError, TypeError, SafetensorError) as e:
-        error = e
     request = {"target": target, "max_shard_size": max_shard_size, "files": files,
                "metadata": dict(metadata) if metadata is not None else None}
-    mine = {"error": str(error)} if error is not None else {"tensors": _described(tensors), **request}
-    statuses = _agree(process_group, mine, where) if world > 1 else [mine]
-    if error is not None:
-        raise error
-    _first_failure(statuses)
+
+    def described() -> dict:
+        _check(tensors, metadata)
+        return {"tensors": _described(tensors), **request}
+
+    statuses = _step(process_group, world, where, described)
     for r, status in enumerate(statuses):
         for key in request:
             if status[key] != request[key]:
                 raise ValueError(f"a group save takes the same {key} on every rank: rank {r} gave {status[key]!r}, "
                                  f"rank {rank} {request[key]!r}")
     spec = {"rank": rank, "world": world, "ranks": [s["tensors"] for s in statuses], **request}
-    handle = None
+    handle: List[int] = []
+
+    def begin() -> List[str]:
+        out = ops.save_begin(json.dumps(spec))
+        handle.append(int(out[0]))
+        return list(out[2:])
+
     try:
-        begun: Any
-        try:
-            out = ops.save_begin(json.dumps(spec))
-            handle = int(out[0])
-            begun = {"locations": list(out[2:])}
-        except RuntimeError as e:
-            begun, error = {"error": str(e)}, e
-        statuses = _agree(process_group, begun, where) if world > 1 else [begun]
-        if error is not None:
-            raise error
-        _first_failure(statuses)
-        try:
-            written = ops.save_write(handle, [] if rank == 0 else statuses[0]["locations"], list(tensors),
-                                     list(tensors.values()), budget)
-            status: Any = {"bytes": written}
-        except RuntimeError as e:
-            status, error = {"error": str(e)}, e
-        statuses = _agree(process_group, status, where) if world > 1 else [status]
-        if error is not None:
-            raise error
-        _first_failure(statuses)
+        locations = _step(process_group, world, where, begin)[0]
+        _step(process_group, world, where, lambda: ops.save_write(
+            handle[0], [] if rank == 0 else locations, list(tensors), list(tensors.values()), budget))
+        outcome: Any = None
+        error: Optional[BaseException] = None
         if rank == 0:
             try:
-                paths = ops.save_commit(handle)
-                handle = None
-                outcome: Any = {"paths": paths}
+                outcome = {"paths": ops.save_commit(handle.pop())}
             except RuntimeError as e:
                 outcome, error = {"error": str(e)}, e
-        else:
-            outcome = None
         if world > 1:
             box = [outcome]
             try:
@@ -245,9 +238,9 @@ def group_save(tensors: Mapping[str, torch.Tensor], target: str, max_shard_size:
             outcome = box[0]
         if error is not None:
             raise error
-        _first_failure([outcome])
+        if "error" in outcome:
+            raise _RankFailed(f"rank 0 of the group: {outcome['error']}")
         return outcome["paths"]
     finally:
-        if handle is not None:
-            ops.save_end(handle)
-
+        if handle:
+            ops.save_end(handle[0])

@@ -92,17 +92,7 @@ impl FileSink {
     /// Opens a file another process created and writes parts of (a group save): never
     /// created, cut, published or removed through this sink. `direct` as for [`FileSink::create`].
     pub fn open_existing(path: &Path, at: &Path, direct: bool) -> Result<FileSink> {
-        let open = |flags: i32| OpenOptions::new().write(true).custom_flags(flags).open(at);
-        let (file, direct) = match direct {
-            true => match open(libc::O_DIRECT) {
-                Ok(file) => (file, true),
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                    (open(0).map_err(|e| Error::io(path, "open", e))?, false)
-                }
-                Err(e) => return Err(Error::io(path, "open", e)),
-            },
-            false => (open(0).map_err(|e| Error::io(path, "open", e))?, false),
-        };
+        let (file, direct) = open_for_writing(path, at, false, direct)?;
         let len = file.metadata().map_err(|e| Error::io(path, "stat", e))?.len();
         Ok(FileSink { path: path.to_owned(), temp: at.to_owned(), target: None, file, len, direct, published: true })
     }
@@ -113,18 +103,7 @@ impl FileSink {
     }
 
     fn open(path: &Path, temp: PathBuf, target: Option<PathBuf>, len: u64, direct: bool) -> Result<FileSink> {
-        let open = |flags: i32| OpenOptions::new().write(true).create_new(true).custom_flags(flags).open(&temp);
-        let (file, direct) = match direct {
-            true => match open(libc::O_DIRECT) {
-                Ok(file) => (file, true),
-                // tmpfs (and some FUSE filesystems) refuse O_DIRECT at open.
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                    (open(0).map_err(|e| Error::io(path, "create", e))?, false)
-                }
-                Err(e) => return Err(Error::io(path, "create", e)),
-            },
-            false => (open(0).map_err(|e| Error::io(path, "create", e))?, false),
-        };
+        let (file, direct) = open_for_writing(path, &temp, true, direct)?;
         // Held while this process writes the file: a later save removes it only once free.
         lock(&file, false);
         let sink = FileSink { path: path.to_owned(), temp, target, file, len, direct, published: false };
@@ -183,6 +162,24 @@ impl Drop for FileSink {
         if !self.published {
             let _ = std::fs::remove_file(&self.temp);
         }
+    }
+}
+
+/// Opens `at` (a new file with `create`) for writing, with `O_DIRECT` where asked and the
+/// filesystem takes it (tmpfs and some FUSE filesystems refuse it at open: then buffered);
+/// errors name `path`. Returns the file and whether it is direct.
+fn open_for_writing(path: &Path, at: &Path, create: bool, direct: bool) -> Result<(File, bool)> {
+    let op = if create { "create" } else { "open" };
+    let open = |flags: i32| OpenOptions::new().write(true).create_new(create).custom_flags(flags).open(at);
+    match direct {
+        true => match open(libc::O_DIRECT) {
+            Ok(file) => Ok((file, true)),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                Ok((open(0).map_err(|e| Error::io(path, op, e))?, false))
+            }
+            Err(e) => Err(Error::io(path, op, e)),
+        },
+        false => Ok((open(0).map_err(|e| Error::io(path, op, e))?, false)),
     }
 }
 

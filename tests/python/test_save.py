@@ -907,9 +907,31 @@ def test_max_memory_bounds_the_save_of_a_large_model(tmp_path):
 
 # ---------------------------------------------------------------- killed saves
 
-# A process that makes two versions of a ~525 MB checkpoint once, then, for each command, forks a
-# child that saves one of them (the fork spares each trial the import and the tensors). It never
-# saves itself, so no thread pool of the library exists when it forks.
+# A process that, for each command `save ARGS...`, forks a child that runs `child(*ARGS)` (the
+# fork spares each trial the import and the tensors, made once before) and says its pid; `wait
+# PID` reaps it and says its status. It never saves itself, so no thread pool of the library
+# exists when it forks.
+_FORK_SERVER = r"""
+print("ready", flush=True)
+for line in sys.stdin:
+    cmd, *args = line.split()
+    if cmd == "save":
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                child(*args)
+                code = 0
+            except BaseException as e:
+                print(f"child: {e!r}", file=sys.stderr, flush=True)
+            os._exit(code)
+        print(f"pid {pid}", flush=True)
+    elif cmd == "wait":
+        _, status = os.waitpid(int(args[0]), 0)
+        print(f"status {status}", flush=True)
+"""
+
+# Two versions of a ~525 MB checkpoint, each saved by a child of the fork server.
 _SAVER = r"""
 import os, sys, time
 import torch
@@ -926,34 +948,20 @@ def version(seed):
             for i in range(20)}
 
 versions = {1: version(1), 2: version(2)}
-print("ready", flush=True)
-for line in sys.stdin:
-    cmd, *args = line.split()
-    if cmd == "save":
-        seed, directory = int(args[0]), args[1]
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                F.save(versions[seed], directory, max_shard_size="110MB")
-                code = 0
-            except BaseException as e:
-                print(f"child: {e!r}", file=sys.stderr, flush=True)
-            os._exit(code)
-        print(f"pid {pid}", flush=True)
-    elif cmd == "wait":
-        _, status = os.waitpid(int(args[0]), 0)
-        print(f"status {status}", flush=True)
-"""
+
+def child(seed, directory):
+    F.save(versions[int(seed)], directory, max_shard_size="110MB")
+""" + _FORK_SERVER
 
 
 class Saver:
-    """Drives _SAVER: `save(seed, dir)` starts a save and returns its pid; `wait(pid)` reaps it
-    (until then the pid cannot be reused, so killing it is always safe)."""
+    """Drives _SAVER (or another fork server): `save(seed, dir)` starts a save and returns its
+    pid; `wait(pid)` reaps it (until then the pid cannot be reused, so killing it is always
+    safe)."""
 
-    def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, "-c", _SAVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, env=U.subprocess_env())
+    def __init__(self, script: str = _SAVER, env: dict | None = None):
+        self.proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, env=U.subprocess_env(env))
         self.buf = b""
         self.expect("ready", timeout=120)
 
@@ -1269,9 +1277,8 @@ def version(name):
                              dtype=torch.uint8, generator=gen).view(dt).view(shape) for k, dt, shape in SPECS}
 """
 
-# A process that holds every version, then for each command forks a child that arms the crash
-# shim (0: count only) and saves one version (the fork spares each trial the import). It never
-# saves itself, so no thread pool of the library exists when it forks.
+# Every version, each saved by a child of the fork server that arms the crash shim first (at 0:
+# count only, and write the count to `count_file`).
 _CRASHER = _VERSIONS + r"""
 import ctypes, os, sys
 torch.set_num_threads(1)
@@ -1280,30 +1287,15 @@ shim = ctypes.CDLL(None)
 shim.fst_arm.argtypes = [ctypes.c_long]
 shim.fst_calls.restype = ctypes.c_long
 versions = {name: version(name) for name in LIMITS}
-print("ready", flush=True)
-for line in sys.stdin:
-    cmd, *args = line.split()
-    if cmd == "save":
-        name, directory, at, count_file = args[0], args[1], int(args[2]), args[3]
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                shim.fst_arm(at)
-                F.save(versions[name], directory, max_shard_size=LIMITS[name])
-                calls = shim.fst_calls()
-                shim.fst_arm(-1)
-                with open(count_file, "w") as f:
-                    f.write(str(calls))
-                code = 0
-            except BaseException as e:
-                print(f"child: {e!r}", file=sys.stderr, flush=True)
-            os._exit(code)
-        print(f"pid {pid}", flush=True)
-    elif cmd == "wait":
-        _, status = os.waitpid(int(args[0]), 0)
-        print(f"status {status}", flush=True)
-"""
+
+def child(name, directory, at, count_file):
+    shim.fst_arm(int(at))
+    F.save(versions[name], directory, max_shard_size=LIMITS[name])
+    calls = shim.fst_calls()
+    shim.fst_arm(-1)
+    with open(count_file, "w") as f:
+        f.write(str(calls))
+""" + _FORK_SERVER
 
 
 def _versions() -> dict:
@@ -1374,29 +1366,19 @@ def _others(d: Path) -> dict:
     return out
 
 
-class Crasher:
+class Crasher(Saver):
     """Drives _CRASHER (LD_PRELOAD'ed with the crash shim): `save(version, dir, at)` saves with
     the process killed at the at-th call that changes a file (0: never; returns the count)."""
 
     def __init__(self, shim: Path, tmp: Path):
-        self.proc = subprocess.Popen([sys.executable, "-c", _CRASHER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, env=U.subprocess_env({"LD_PRELOAD": str(shim)}))
+        super().__init__(_CRASHER, {"LD_PRELOAD": str(shim)})
         self.count_file = tmp / "calls"
-        self.buf = b""
-        self.expect("ready", timeout=120)
-
-    line = Saver.line
-    expect = Saver.expect
-    send = Saver.send
-    close = Saver.close
 
     def save(self, version: str, d: Path, at: int) -> int | None:
         """The number of calls of a save that completed, or None where it was killed."""
         self.count_file.unlink(missing_ok=True)
         self.send(f"save {version} {d} {at} {self.count_file}")
-        pid = int(self.expect("pid").split()[1])
-        self.send(f"wait {pid}")
-        status = int(self.expect("status", timeout=120).split()[1])
+        status = self.wait(int(self.expect("pid").split()[1]))
         if os.WIFSIGNALED(status):
             assert os.WTERMSIG(status) == signal.SIGKILL and at > 0, f"status {status:#x}"
             return None

@@ -226,14 +226,15 @@ def file_bytes(paths) -> int:
 
 def assert_shared_writing(results, world: int, total: int, key: str) -> None:
     """Each rank wrote about 1/world of the bytes (within the 1 MiB units the writing is split
-    into, and rank 0's index), all of them once."""
+    into), all of them once (within 256 KiB a rank: the index, the 4 KiB tails of direct
+    writes, and what else the process writes meanwhile)."""
     wrote = [r[key]["wrote"] for r in results]
     if sum(wrote) == 0:
         pytest.skip("this filesystem does not count writes in /proc/self/io (tmpfs)")
     print(f"{key}, {world} ranks: {[round(w / MB, 2) for w in wrote]} MiB of {total / MB:.2f}")
-    assert total <= sum(wrote) <= total + world * 64 * 1024, wrote
+    assert total <= sum(wrote) <= total + world * 256 * 1024, wrote
     for w in wrote:
-        assert abs(w - total / world) <= MB + 64 * 1024, (wrote, total)
+        assert abs(w - total / world) <= MB + 256 * 1024, (wrote, total)
 
 
 def test_replicated_tensors_are_written_once_shared_by_the_ranks(runs):
@@ -286,7 +287,7 @@ def test_ranks_holding_their_own_tensors_write_them_under_one_index(runs):
         shared = expected["embed"].nbytes
         for rank, w in enumerate(wrote):
             mine = sum(t.nbytes for t in own(rank).values())
-            assert mine <= w <= mine + shared / world + MB + 64 * 1024, (rank, wrote)
+            assert mine <= w <= mine + shared / world + MB + 256 * 1024, (rank, wrote)
 
 
 def test_one_file_of_tensors_the_ranks_hold_apart_is_refused_on_every_rank(runs):
