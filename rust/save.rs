@@ -6,8 +6,11 @@
 //! tensors' bytes: copied from host memory, or copied off the device into a pinned staging
 //! buffer through [`Device`]), and write it at its offset. While one writer waits for the
 //! disk the others gather, so device-to-host copies overlap the writes. Then every file is
-//! synced, renamed into place, the directory synced, and the index written last
-//! ([`sink`](crate::sink) says why that order survives a crash).
+//! synced and published: one file renamed into place, a checkpoint directory committed as a
+//! whole ([`commit`](crate::sink::commit) says how, and why no crash leaves a mix). A
+//! [`SaveSession`] runs those steps, on one process or on each rank of a group: the ranks
+//! write the byte ranges [`assign_ranges`](crate::plan::save::assign_ranges) gives them, and
+//! the first commits once all are durable.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

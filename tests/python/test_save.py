@@ -1170,10 +1170,13 @@ def test_in_place_commits_rename_each_file_synced_and_the_index_last(tmp_path):
 
 # An LD_PRELOAD library that counts the calls that change files (writes, syncs, renames, links,
 # removals, creations) once armed, and kills its process with SIGKILL at the N-th: the state a
-# `kill -9` at that moment leaves, at a point chosen exactly rather than by a timer.
+# `kill -9` at that moment leaves, at a point chosen exactly rather than by a timer. Armed to
+# fail instead (`fst_fail`), the N-th call fails with the errno given, as a full disk or a
+# refused rename would.
 _CRASH_SHIM = r"""
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -1182,21 +1185,26 @@ _CRASH_SHIM = r"""
 #include <sys/types.h>
 #include <unistd.h>
 
-static long armed_at = -1; /* -1: off; 0: count only; N: SIGKILL before the N-th call */
+static long armed_at = -1; /* -1: off; 0: count only; N: SIGKILL (or fail) at the N-th call */
 static long calls = 0;
+static int fail_errno = 0;  /* 0: kill; else the N-th call fails with this errno */
 
-void fst_arm(long at) { __atomic_store_n(&calls, 0, __ATOMIC_SEQ_CST); armed_at = at; }
+void fst_arm(long at) { __atomic_store_n(&calls, 0, __ATOMIC_SEQ_CST); fail_errno = 0; armed_at = at; }
+void fst_fail(long at, int err) { fst_arm(at); fail_errno = err; }
 long fst_calls(void) { return __atomic_load_n(&calls, __ATOMIC_SEQ_CST); }
 
-static void tick(void) {
-    if (armed_at < 0) return;
+/* Whether this call fails (it kills instead where armed to). */
+static int tick(void) {
+    if (armed_at < 0) return 0;
     long n = __atomic_add_fetch(&calls, 1, __ATOMIC_SEQ_CST);
-    if (armed_at > 0 && n >= armed_at) { kill(getpid(), SIGKILL); for (;;) pause(); }
+    if (armed_at > 0 && n == armed_at && fail_errno) { errno = fail_errno; return 1; }
+    if (armed_at > 0 && n >= armed_at && !fail_errno) { kill(getpid(), SIGKILL); for (;;) pause(); }
+    return 0;
 }
 
 #define REAL(ret, name, args) static ret (*real) args; if (!real) real = (ret (*) args) dlsym(RTLD_NEXT, #name)
 #define WRAP(ret, name, params, args, types)                                   \
-    ret name params { tick(); REAL(ret, name, types); return real args; }
+    ret name params { if (tick()) return -1; REAL(ret, name, types); return real args; }
 
 WRAP(ssize_t, pwrite, (int fd, const void *b, size_t n, off_t o), (fd, b, n, o), (int, const void *, size_t, off_t))
 WRAP(ssize_t, pwrite64, (int fd, const void *b, size_t n, off_t o), (fd, b, n, o), (int, const void *, size_t, off_t))
@@ -1227,7 +1235,7 @@ int name(const char *path, int flags, ...) {                                   \
     mode_t mode = 0;                                                           \
     if (flags & (O_CREAT | O_TMPFILE)) {                                       \
         va_list ap; va_start(ap, flags); mode = va_arg(ap, mode_t); va_end(ap);  \
-        tick();                                                                \
+        if (tick()) return -1;                                                 \
     }                                                                          \
     REAL(int, name, (const char *, int, ...));                                 \
     return real(path, flags, mode);                                            \
@@ -1237,7 +1245,7 @@ int name(int dirfd, const char *path, int flags, ...) {                        \
     mode_t mode = 0;                                                           \
     if (flags & (O_CREAT | O_TMPFILE)) {                                       \
         va_list ap; va_start(ap, flags); mode = va_arg(ap, mode_t); va_end(ap);  \
-        tick();                                                                \
+        if (tick()) return -1;                                                 \
     }                                                                          \
     REAL(int, name, (int, const char *, int, ...));                            \
     return real(dirfd, path, flags, mode);                                     \
@@ -1254,10 +1262,12 @@ def crash_shim(tmp_path_factory):
     d = tmp_path_factory.mktemp("crash_shim")
     (d / "crash.c").write_text(_CRASH_SHIM)
     so = d / "crash.so"
-    proc = subprocess.run([os.environ.get("CC", "cc"), "-shared", "-fPIC", "-O2", "-o", str(so), str(d / "crash.c"),
-                           "-ldl"], capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"no C compiler to build the crash shim: {proc.stderr.strip()[:300]}")
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        pytest.skip(f"no C compiler ({cc}) to build the crash shim")
+    proc = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(so), str(d / "crash.c"), "-ldl"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, f"building the crash shim failed:\n{proc.stderr}"
     return so
 
 
@@ -1285,16 +1295,24 @@ torch.set_num_threads(1)
 import fastsafetensors_rs as F
 shim = ctypes.CDLL(None)
 shim.fst_arm.argtypes = [ctypes.c_long]
+shim.fst_fail.argtypes = [ctypes.c_long, ctypes.c_int]
 shim.fst_calls.restype = ctypes.c_long
 versions = {name: version(name) for name in LIMITS}
 
-def child(name, directory, at, count_file):
-    shim.fst_arm(int(at))
-    F.save(versions[name], directory, max_shard_size=LIMITS[name])
+def child(name, directory, at, count_file, fail_errno="0"):
+    error = None
+    if int(fail_errno):
+        shim.fst_fail(int(at), int(fail_errno))
+    else:
+        shim.fst_arm(int(at))
+    try:
+        F.save(versions[name], directory, max_shard_size=LIMITS[name])
+    except Exception as e:
+        error = e
     calls = shim.fst_calls()
     shim.fst_arm(-1)
     with open(count_file, "w") as f:
-        f.write(str(calls))
+        f.write(str(calls) if error is None else f"error {type(error).__name__}: {error}")
 """ + _FORK_SERVER
 
 
@@ -1374,16 +1392,18 @@ class Crasher(Saver):
         super().__init__(_CRASHER, {"LD_PRELOAD": str(shim)})
         self.count_file = tmp / "calls"
 
-    def save(self, version: str, d: Path, at: int) -> int | None:
-        """The number of calls of a save that completed, or None where it was killed."""
+    def save(self, version: str, d: Path, at: int, fail_errno: int = 0) -> int | str | None:
+        """The number of calls of a save that completed, None where it was killed, or its error
+        (`fail_errno`: the at-th call fails with it instead of killing)."""
         self.count_file.unlink(missing_ok=True)
-        self.send(f"save {version} {d} {at} {self.count_file}")
+        self.send(f"save {version} {d} {at} {self.count_file} {fail_errno}")
         status = self.wait(int(self.expect("pid").split()[1]))
         if os.WIFSIGNALED(status):
             assert os.WTERMSIG(status) == signal.SIGKILL and at > 0, f"status {status:#x}"
             return None
-        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the save failed: status {status:#x}"
-        return int(self.count_file.read_text())
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the save's process failed: status {status:#x}"
+        done = self.count_file.read_text()
+        return done if done.startswith("error") else int(done)
 
 
 # (scenario, the two versions it saves one over the other; None: into a new directory)
@@ -1391,21 +1411,17 @@ CRASH_SCENARIOS = {"same-layout": ("a5", "b5"), "other-shard-count": ("a5", "c3"
                    "over-model.safetensors": ("s1", "c3"), "new-directory": (None, "a5")}
 
 
-@pytest.mark.parametrize("scenario", list(CRASH_SCENARIOS))
-def test_a_save_killed_at_any_point_leaves_the_old_checkpoint_or_the_new_one(tmp_path, crash_shim, scenario):
-    """kill -9 (SIGKILL from the crash shim) before the N-th call that changes a file, at 20
-    random N over the whole save, of a save over an existing checkpoint of the same layout, of
-    another shard count, over model.safetensors, or into a new directory: every time, our
-    load(dir), safetensors through the index, transformers' order (model.safetensors, then the
-    index) and a glob of dir/*.safetensors (vLLM without an index) each read exactly the old
-    checkpoint or exactly the new one, and the directory's other entries (files, a link, a
-    subdirectory) are untouched. The next save removes what a killed one left."""
+def _interrupted_saves(tmp_path: Path, crash_shim: Path, scenario: str, fail_errno: int = 0) -> collections.Counter:
+    """20 saves of `scenario`, each killed (or, with `fail_errno`, failed) at a random one of its
+    calls that change a file, each followed by the checks the tests below state. Returns how
+    many ended with the new checkpoint in place, by whether the save was interrupted."""
     first, second = CRASH_SCENARIOS[scenario]
     versions = _versions()
     parent = tmp_path / "models"
     parent.mkdir()
     d = parent / "ckpt"
     crasher = Crasher(crash_shim, tmp_path)
+    outcomes: collections.Counter = collections.Counter()
     try:
         counts = {}
         if first is not None:
@@ -1422,9 +1438,8 @@ def test_a_save_killed_at_any_point_leaves_the_old_checkpoint_or_the_new_one(tmp
         else:
             counts[None, second] = crasher.save(second, d, 0)
         others, mode = _others(d), (d.stat().st_mode if d.exists() else None)
-        rng = random.Random(f"{scenario}-20")
+        rng = random.Random(f"{scenario}-{fail_errno}-20")
         current = first
-        outcomes = collections.Counter()
         for trial in range(20):
             if first is None:
                 shutil.rmtree(d, ignore_errors=True)
@@ -1432,24 +1447,26 @@ def test_a_save_killed_at_any_point_leaves_the_old_checkpoint_or_the_new_one(tmp
             target = second if current == first else first
             count = counts[current, target]
             at = rng.randint(1, count)
-            done = crasher.save(target, d, at)
+            done = crasher.save(target, d, at, fail_errno)
+            how = f"trial {trial} ({current} -> {target}, {'failed' if fail_errno else 'killed'} at call {at} of {count})"
             states = {}
             for reader, read in READERS_OF_A_DIRECTORY.items():
                 got = read(d)
                 state = [v for v in (current, target) if (got is None if v is None else _same(got, versions[v]))]
-                assert state, (f"trial {trial} ({current} -> {target}, killed at call {at} of {count}): "
-                               f"{reader} read neither version: {sorted(got) if isinstance(got, dict) else got}")
+                assert state, f"{how}: {reader} read neither version: {sorted(got) if isinstance(got, dict) else got}"
                 states[reader] = state[0]
-            assert len(set(states.values())) == 1, f"trial {trial}: the readers disagree: {states}"
-            assert done is None or states["load"] == target, f"trial {trial}: the save returned, yet {states}"
-            assert _others(d) == others, f"trial {trial}: the directory's other entries changed"
+            assert len(set(states.values())) == 1, f"{how}: the readers disagree: {states}"
+            assert not isinstance(done, int) or states["load"] == target, f"{how}: the save returned, yet {states}"
+            if isinstance(done, str):  # a failed save says why in one line, naming a path
+                assert "\n" not in done and str(parent) in done, f"{how}: {done}"
+            assert _others(d) == others, f"{how}: the directory's other entries changed"
             if d.exists() and mode is not None:
                 assert d.stat().st_mode == mode
             left = [n for n in os.listdir(parent) if n != "ckpt"]
             assert all(TEMP.match(n) and TEMP.match(n)["final"] == "ckpt" for n in left), left
-            outcomes[(states["load"] == target, done is None)] += 1
+            outcomes[(states["load"] == target, not isinstance(done, int))] += 1
             current = states["load"]
-        # A last save, not killed: it completes, and nothing a killed one left remains.
+        # A last save, not interrupted: it completes, and nothing an interrupted one left remains.
         target = second if current == first else first
         assert crasher.save(target, d, 0)
         assert os.listdir(parent) == ["ckpt"]
@@ -1457,6 +1474,29 @@ def test_a_save_killed_at_any_point_leaves_the_old_checkpoint_or_the_new_one(tmp
         assert _others(d) == others and _same(_read_ours(d), versions[target])
     finally:
         crasher.close()
-    print(f"{scenario}: {dict(counts)} calls; (new checkpoint, killed): {dict(outcomes)}")
+    print(f"{scenario}: {dict(counts)} calls; (new checkpoint, interrupted): {dict(outcomes)}")
+    return outcomes
+
+
+@pytest.mark.parametrize("scenario", list(CRASH_SCENARIOS))
+def test_a_save_killed_at_any_point_leaves_the_old_checkpoint_or_the_new_one(tmp_path, crash_shim, scenario):
+    """kill -9 (SIGKILL from the crash shim) before the N-th call that changes a file, at 20
+    random N over the whole save, of a save over an existing checkpoint of the same layout, of
+    another shard count, over model.safetensors, or into a new directory: every time, our
+    load(dir), safetensors through the index, transformers' order (model.safetensors, then the
+    index) and a glob of dir/*.safetensors (vLLM without an index) each read exactly the old
+    checkpoint or exactly the new one, and the directory's other entries (files, a link, a
+    subdirectory) are untouched. The next save removes what a killed one left."""
+    outcomes = _interrupted_saves(tmp_path, crash_shim, scenario)
     # Kills before the commit and (but for a new directory, where one fsync follows it) after.
-    assert outcomes[(False, True)] >= 3 and (first is None or outcomes[(True, True)] >= 1), outcomes
+    new_directory = CRASH_SCENARIOS[scenario][0] is None
+    assert outcomes[(False, True)] >= 3 and (new_directory or outcomes[(True, True)] >= 1), outcomes
+
+
+@pytest.mark.parametrize("scenario", ["same-layout", "over-model.safetensors"])
+def test_a_save_failing_at_any_point_leaves_the_old_checkpoint_or_the_new_one(tmp_path, crash_shim, scenario):
+    """The same, with the N-th call failing (EIO) instead: a write, a sync, a link, the rename
+    refused. The save raises one line naming a path (or completes, where the call was one it
+    does without), and the directory reads as the old checkpoint or the new one."""
+    outcomes = _interrupted_saves(tmp_path, crash_shim, scenario, errno.EIO)
+    assert outcomes[(False, True)] >= 3, outcomes
