@@ -193,10 +193,9 @@ pub(super) fn save_begin(spec: &str) -> Result<Vec<String>> {
             )));
         }
         let group = group_tensors(&spec.ranks)?;
+        let at: HashMap<&str, usize> = group.tensors.iter().enumerate().map(|(i, t)| (t.name.as_str(), i)).collect();
         let target = match &spec.files {
             Some(files) => {
-                let at: HashMap<&str, usize> =
-                    group.tensors.iter().enumerate().map(|(i, t)| (t.name.as_str(), i)).collect();
                 let files = files
                     .iter()
                     .map(|f| {
@@ -226,13 +225,9 @@ pub(super) fn save_begin(spec: &str) -> Result<Vec<String>> {
         };
         let locations: Vec<String> =
             session.locations().into_iter().map(|p| p.to_string_lossy().into_owned()).collect();
-        let mine = spec.ranks[spec.rank]
-            .iter()
-            .map(|t| {
-                let g = group.tensors.iter().position(|s| s.name == t.name).expect("every rank's tensor is planned");
-                (t.name.clone(), g)
-            })
-            .collect();
+        // Every rank's tensor is one of the group's (group_tensors lists them all).
+        let mine =
+            spec.ranks[spec.rank].iter().filter_map(|t| Some((t.name.clone(), *at.get(t.name.as_str())?))).collect();
         let handle = NEXT_SAVE.fetch_add(1, Ordering::Relaxed);
         SAVES.lock().unwrap_or_else(|e| e.into_inner()).insert(handle, Begun { session, specs: group.tensors, mine });
         Ok([handle.to_string(), bytes.to_string()].into_iter().chain(locations).collect())

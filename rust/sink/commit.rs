@@ -7,7 +7,8 @@
 //! directory as a hard link (directories are made again, their files linked), the staging
 //! directory is synced, and `renameat2(RENAME_EXCHANGE)` swaps the two directories in one
 //! step. The parent is synced; what `dir` held before is then removed, carried files aside.
-//! Entries that appeared in `dir` between the carrying and the swap are moved into the new one.
+//! What changed in `dir` between the carrying and the swap (entries made, files replaced) is
+//! moved into the new one.
 //!
 //! Where that cannot be done, the commit falls back (see [`Commit`]):
 //! - no `RENAME_EXCHANGE` (NFS, old kernels): `dir` renamed away, then the staging directory
@@ -299,7 +300,7 @@ impl CheckpointDir {
         sync_dir(&up)?;
         // The old directory is now at stage.path: what appeared in it after the carrying goes
         // to the new one, then the rest (the old checkpoint, links of the carried files) goes.
-        move_newcomers(&stage.path, &self.real);
+        move_newcomers(&stage.path, &self.real, true);
         let _ = std::fs::remove_dir_all(&stage.path);
         Ok(true)
     }
@@ -395,20 +396,27 @@ fn renameat2(from: &Path, to: &Path, flags: libc::c_uint) -> std::io::Result<()>
     }
 }
 
-/// Moves the entries of the old directory `old` that the new one `new` lacks (made there by
-/// someone else between the carrying and the swap) into `new`, never over an entry.
-fn move_newcomers(old: &Path, new: &Path) {
+/// Brings into the new directory `new` what someone else changed in the old one `old` between
+/// the carrying and the swap, at any depth: an entry `new` lacks is moved in (never over an
+/// entry), a file replaced meanwhile (another inode under its name) replaces the carried link.
+/// The checkpoint's own files at the top stay behind.
+fn move_newcomers(old: &Path, new: &Path, top: bool) {
     let Ok(entries) = std::fs::read_dir(old) else { return };
     let mut moved = false;
     for entry in entries.flatten() {
         let name = entry.file_name();
         let Ok(kind) = entry.file_type() else { continue };
-        if name.to_str().is_some_and(|n| left_behind(old, n, kind)) {
+        if top && name.to_str().is_some_and(|n| left_behind(old, n, kind)) {
             continue;
         }
-        let target = new.join(&name);
-        if std::fs::symlink_metadata(&target).is_err() {
-            moved |= renameat2(&entry.path(), &target, libc::RENAME_NOREPLACE).is_ok();
+        let (source, target) = (entry.path(), new.join(&name));
+        match (std::fs::symlink_metadata(&source), std::fs::symlink_metadata(&target)) {
+            (_, Err(_)) => moved |= renameat2(&source, &target, libc::RENAME_NOREPLACE).is_ok(),
+            (Ok(a), Ok(b)) if a.is_dir() && b.is_dir() => move_newcomers(&source, &target, false),
+            (Ok(a), Ok(b)) if !a.is_dir() && !b.is_dir() && a.ino() != b.ino() => {
+                moved |= std::fs::rename(&source, &target).is_ok()
+            }
+            _ => {}
         }
     }
     if moved {
@@ -646,6 +654,40 @@ mod tests {
         let err = save(&dir, &[("model.safetensors", "new")], Commit::Exchange).unwrap_err().to_string();
         assert!(err.ends_with("ckpt/model.safetensors: create failed: Is a directory (os error 21)"), "{err}");
         assert_eq!(std::fs::read_dir(&root).unwrap().count(), 1);
+        std::fs::remove_dir_all(root).unwrap();
+    }
+
+    #[test]
+    fn what_changed_in_the_old_directory_before_the_swap_is_brought_over() {
+        let root = tempdir("late");
+        let (old, new) = (root.join("old"), root.join("new"));
+        for d in [&old, &new] {
+            std::fs::create_dir_all(d.join("runs")).unwrap();
+        }
+        std::fs::write(old.join("runs/a"), "a").unwrap();
+        std::fs::hard_link(old.join("runs/a"), new.join("runs/a")).unwrap(); // carried
+        std::fs::write(old.join("trainer_state.json"), "v1").unwrap();
+        std::fs::hard_link(old.join("trainer_state.json"), new.join("trainer_state.json")).unwrap();
+        // Then, before the swap: a new file at the top and in a subdirectory, a file replaced.
+        std::fs::write(old.join("late.txt"), "late").unwrap();
+        std::fs::write(old.join("runs/b"), "b").unwrap();
+        std::fs::write(old.join("state.tmp"), "v2").unwrap();
+        std::fs::rename(old.join("state.tmp"), old.join("trainer_state.json")).unwrap();
+        std::fs::write(old.join("model.safetensors"), "the old checkpoint").unwrap();
+        std::fs::write(new.join("model.safetensors"), "the new checkpoint").unwrap();
+        move_newcomers(&old, &new, true);
+        let expected: Vec<(String, String)> = [
+            ("late.txt", "late"),
+            ("model.safetensors", "the new checkpoint"),
+            ("runs", "/"),
+            ("runs/a", "a"),
+            ("runs/b", "b"),
+            ("trainer_state.json", "v2"),
+        ]
+        .iter()
+        .map(|(a, b)| (a.to_string(), b.to_string()))
+        .collect();
+        assert_eq!(tree(&new).into_iter().collect::<Vec<_>>(), expected);
         std::fs::remove_dir_all(root).unwrap();
     }
 
