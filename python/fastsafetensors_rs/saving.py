@@ -184,11 +184,12 @@ def _step(process_group: Any, world: int, where: str, run: Callable[[], Any]) ->
 
 def group_save(tensors: Mapping[str, torch.Tensor], target: str, max_shard_size: int,
                metadata: Optional[Mapping[str, str]], max_memory: Union[None, int, str], process_group: Any,
-               files: Optional[List[dict]] = None) -> List[str]:
+               files: Optional[List[dict]] = None, failed: Optional[BaseException] = None) -> List[str]:
     """The steps of a save by every rank of `process_group` (or by this process alone, with
     None): the plan from every rank's tensor list, rank 0 creating the files, every rank
     writing its share and syncing it, then rank 0 committing once all are durable. A failure
-    on any rank is raised on every rank, its rank named, and nothing is committed."""
+    on any rank is raised on every rank, its rank named, and nothing is committed (`failed`:
+    what this rank failed on before, raised at the first step)."""
     import torch.distributed as dist
 
     rank = dist.get_rank(process_group) if process_group is not None else 0
@@ -199,6 +200,8 @@ def group_save(tensors: Mapping[str, torch.Tensor], target: str, max_shard_size:
                "metadata": dict(metadata) if metadata is not None else None}
 
     def described() -> dict:
+        if failed is not None:
+            raise failed
         _check(tensors, metadata)
         return {"tensors": _described(tensors), **request}
 

@@ -113,6 +113,25 @@ class Worker:
         base = self.d / f"compat.w{self.world}" / "model"
         return self._measured(lambda: saver.ParallelSaver(num_shards=3, pg=self.group).save(replicated(), str(base)))
 
+    def compat_refused(self) -> dict:
+        """The compatible saver failing on one rank before its save starts (its shard_metadata
+        raising there): every rank fails naming it, none waits for it."""
+        from fastsafetensors_rs.compat import saver
+
+        last = self.rank == self.world - 1
+
+        def shard_metadata(shard):
+            if last:
+                raise ValueError("no metadata on this rank")
+            return {}
+
+        base = self.d / f"compat_refused.w{self.world}" / "model"
+        try:
+            saver.ParallelSaver(num_shards=2, pg=self.group, shard_metadata=shard_metadata).save(replicated(), str(base))
+            return {"error": None}
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}", "files": sorted(os.listdir(base.parent))}
+
     def refused(self) -> dict:
         """Rank world-1 holds a tensor safetensors has no dtype for: every rank fails naming it."""
         import fastsafetensors_rs as fst
@@ -156,7 +175,7 @@ class Worker:
             return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - started}
 
 
-SCENARIOS = ["replicated", "one_file", "distinct", "one_file_distinct", "compat", "refused"]
+SCENARIOS = ["replicated", "one_file", "distinct", "one_file_distinct", "compat", "compat_refused", "refused"]
 
 
 def worker_main(mode: str, d: str, rank: int, world: int, init_file: str) -> int:
@@ -317,6 +336,15 @@ def test_the_compatible_parallel_saver_writes_ibm_shards_from_the_group(runs):
     assert len(sets) == 1
     U.assert_same_dict(loaded, replicated())
     assert_shared_writing(results, world, file_bytes(paths), "compat")
+
+
+def test_the_compatible_saver_failing_on_one_rank_fails_every_rank(runs):
+    d, world, results = runs
+    for rank, r in enumerate(results):
+        got = r["compat_refused"]
+        assert got["error"] is not None and "no metadata on this rank" in got["error"], got
+        assert (f"rank {world - 1} of the group" in got["error"]) == (rank != world - 1), got
+        assert got["files"] == [], got
 
 
 def test_a_tensor_refused_on_one_rank_fails_every_rank_and_keeps_the_old_checkpoint(runs):

@@ -96,6 +96,26 @@ def save_sharded(entries: Sequence[WriteEntry], base: str, *, num_shards: int = 
     bytes, and the shards are renamed into place by rank 0 once every rank's are durable (see
     `fastsafetensors_rs.save`)."""
     del fsync  # every file is synced before it is renamed into place
+    group = pg if pg is not None and _group_size(pg) > 1 else None
+    set_id = _shared_set_id(group)
+    tensors: Mapping[str, Any] = {}
+    files: List[dict] = []
+    try:
+        tensors, files = _layout(entries, base, num_shards, fill, framework, min_free_bytes, metadata, shard0_metadata,
+                                 shard_metadata, header_align, set_id)
+    except Exception as e:
+        if group is None:
+            raise
+        # Failed on this rank: the group's first step raises it here and names it on the others.
+        group_save({}, "", -1, None, None, group, files=[], failed=e)
+    group_save(tensors, "", -1, None, None, group, files=files)
+    return shard_paths(base, num_shards)
+
+
+def _layout(entries: Sequence[WriteEntry], base: str, num_shards: int, fill: Any, framework: str,
+            min_free_bytes: int, metadata: Optional[Mapping[str, str]], shard0_metadata: Optional[Mapping[str, str]],
+            shard_metadata: Optional[ShardMetadataFn], header_align: int, set_id: str):
+    """The tensors by name and IBM's files (each its tensors and metadata), checked."""
     if fill is not None:
         raise NotImplementedError("save_sharded(fill=...): a custom fill is not supported; entries' sources "
                                   "(torch tensors) are written as they are")
@@ -123,7 +143,6 @@ def save_sharded(entries: Sequence[WriteEntry], base: str, *, num_shards: int = 
     free = shutil.disk_usage(directory).free
     if free < sum(loads) + min_free_bytes:
         raise OSError(f"not enough space in {directory}: {sum(loads) / 2**30:.1f} GiB needed, {free / 2**30:.1f} GiB free")
-    set_id = _shared_set_id(pg)
     files = []
     for i, (path, shard) in enumerate(zip(paths, members)):
         md = dict(common, **(first if i == 0 else {}))
@@ -135,15 +154,13 @@ def save_sharded(entries: Sequence[WriteEntry], base: str, *, num_shards: int = 
                 raise ValueError(f"shard metadata key is reserved: {reserved.pop()}")
             md.update(extra)
         files.append({"path": os.path.abspath(path), "tensors": [e.name for e in shard], "metadata": md})
-    group = pg if pg is not None and _group_size(pg) > 1 else None
-    group_save(tensors, "", -1, None, None, group, files=files)
-    return paths
+    return tensors, files
 
 
 def _shared_set_id(pg: Any) -> str:
     """A new shard-set id, rank 0's on every rank of `pg`."""
     set_id = uuid.uuid4().hex
-    if pg is not None and _group_size(pg) > 1:
+    if pg is not None:
         import torch.distributed as dist
 
         box = [set_id]
