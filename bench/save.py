@@ -14,13 +14,22 @@ are durable, into the same directory (emptied before every run):
   build/bench-peers/ on first use;
 - torch.save: `torch.save` of each group to a `.pt` file, then the same fsyncs;
 - dd: one `dd bs=16M oflag=direct conv=fsync` per shard, all 4 at once, writing the shards'
-  bytes from a file in the page cache: the disk's limit for 4 files.
+  bytes from a file in the page cache: the disk's limit for 4 files;
+- ours-2-ranks, ours-4-ranks: the same save from a gloo group of 2 or 4 processes on this
+  machine, each holding all the tensors (`save(..., process_group=)`): the slowest rank's time
+  from a barrier to its return, and the bytes each rank wrote to storage (/proc/self/io), which
+  should be 1/N of the checkpoint each; rank 0 reads the checkpoint back and compares it with
+  its tensors (outside the clock);
+- before (with `--before DIR`): ours as an earlier build installed in DIR
+  (`pip install --no-deps --target DIR old.whl`) saves, in the same run: a change's before
+  and after.
 
 Each run is a fresh process; rows are interleaved in a new order each round after SETTLE
 seconds of idle disk; the median of `--runs` is reported with the peak RSS of the saving
 process (`ru_maxrss`, reset after the tensors are made), and the ratios of ours to each peer.
 
     .venv/bin/python bench/save.py [--size-gb 2] [--shards 4] [--runs 5] [--max-memory M] [--json out.json]
+                                   [--before DIR [--before-name NAME]]
 """
 
 from __future__ import annotations
@@ -43,7 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (the tensor shapes and the page-cache helpers)
 from scenarios import reset_peak, rss  # noqa: E402
 
-ROWS = ["ours", "safetensors", "ibm-0.5", "torch.save", "dd"]
+ROWS = ["ours", "safetensors", "ibm-0.5", "torch.save", "dd", "ours-2-ranks", "ours-4-ranks"]
+BEFORE = "before"
 REPO = Path(__file__).resolve().parents[1]
 IBM_REQUIREMENT = "fastsafetensors==0.5.0"
 # Not in .venv: the test suite checks that IBM's package is absent there (tests/python/test_alias.py).
@@ -169,8 +179,9 @@ def worker(row: str, out: str, size_gb: float, shards: int, max_memory: str | No
 
     import torch
     result: dict[str, Any] = {}
-    if row == "ours":
+    if row in ("ours", BEFORE):
         import fastsafetensors_rs
+        result["package"] = str(Path(fastsafetensors_rs.__file__).parent)
     elif row == "safetensors":
         from safetensors.torch import save_file
     elif row == "ibm-0.5":
@@ -185,7 +196,7 @@ def worker(row: str, out: str, size_gb: float, shards: int, max_memory: str | No
     result["peak_reset"] = reset_peak()
     before = rss()
     start = time.perf_counter()
-    if row == "ours":
+    if row in ("ours", BEFORE):
         written = fastsafetensors_rs.save(tensors, out, max_shard_size=cap, metadata={"format": "pt"},
                                           max_memory=max_memory)
     elif row == "ibm-0.5":
@@ -209,6 +220,76 @@ def worker(row: str, out: str, size_gb: float, shards: int, max_memory: str | No
         result["groups"] = [[n for n in index if index[n] == shard_name(k, shards, "safetensors")]
                             for k in range(shards)]
     return result
+
+
+def group_worker(out: str, size_gb: float, shards: int, max_memory: str | None, rank: int, world: int,
+                 init: str) -> dict[str, Any]:
+    """One rank of a timed group save (gloo, this machine): every rank holds all the tensors."""
+    import torch
+    import torch.distributed as dist
+
+    import fastsafetensors_rs
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    shapes, cap, _ = plan(size_gb, shards)
+    tensors = make_tensors(shapes)
+    peak_reset = reset_peak()
+    before = rss()
+    dist.barrier()
+    written_before = io_bytes("write_bytes")
+    start = time.perf_counter()
+    fastsafetensors_rs.save(tensors, out, max_shard_size=cap, metadata={"format": "pt"}, max_memory=max_memory,
+                            process_group=dist.group.WORLD)
+    seconds = time.perf_counter() - start
+    wrote = io_bytes("write_bytes") - written_before
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    exact = None
+    if rank == 0:  # outside the clock: the checkpoint read back, bit for bit
+        loaded = fastsafetensors_rs.load(out)
+        exact = loaded.keys() == tensors.keys() and all(
+            torch.equal(loaded[k].view(torch.uint8), tensors[k].view(torch.uint8)) for k in tensors)
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"seconds": seconds, "bytes": sum(t.nbytes for t in tensors.values()), "peak": peak, "before": before,
+            "wrote": wrote, "exact": exact, "peak_reset": peak_reset, "files": listing(out)}
+
+
+def io_bytes(field: str) -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def spawn_group(world: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """A group save on `world` gloo ranks: the slowest rank's time, each rank's bytes written."""
+    init = out.parent / f"save-init-{time.monotonic_ns()}"
+    cmd = [sys.executable, __file__, "--size-gb", str(args.size_gb), "--shards", str(args.shards)] + (
+        ["--max-memory", args.max_memory] if args.max_memory else [])
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    procs = [subprocess.Popen(cmd + ["--rank-worker", str(out), str(r), str(world), str(init)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    results = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=1800)
+            lines = stdout.strip().splitlines()
+            if proc.returncode != 0 or not lines:
+                return {"error": f"exit status {proc.returncode}: {stderr.strip()[-1500:]}"}
+            results.append(json.loads(lines[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        init.unlink(missing_ok=True)
+    return {"seconds": max(r["seconds"] for r in results), "bytes": results[0]["bytes"],
+            "peak": max(r["peak"] for r in results), "before": min(r["before"] for r in results),
+            "wrote": [r["wrote"] for r in results], "exact": results[0]["exact"], "files": results[0]["files"],
+            "peak_reset": all(r["peak_reset"] for r in results)}
+
+
+def group_size_of(row: str) -> int | None:
+    return int(row.split("-")[1]) if row.startswith("ours-") and row.endswith("-ranks") else None
 
 
 # ------------------------------------------------------------------ driver
@@ -245,7 +326,14 @@ def empty(directory: Path) -> None:
 
 
 def spawn(row: str, args: argparse.Namespace, out: Path, src: Path, ibm: Path | None) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=str(ibm)) if row == "ibm-0.5" else None
+    if group_size_of(row):
+        return spawn_group(group_size_of(row), args, out)
+    env = None
+    if row == "ibm-0.5":
+        env = dict(os.environ, PYTHONPATH=str(ibm))
+    elif row == BEFORE:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(args.before.resolve()),
+                                                                        os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, __file__, "--worker", row, str(out), str(src), "--size-gb", str(args.size_gb),
            "--shards", str(args.shards)] + (["--max-memory", args.max_memory] if args.max_memory else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -270,14 +358,29 @@ def main() -> int:
     p.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of " + ",".join(ROWS))
     p.add_argument("--keep", action="store_true", help="keep the last checkpoint written and dd's input")
     p.add_argument("--json", type=Path, help="also write every sample, the medians and the verdicts here")
+    p.add_argument("--before", type=Path,
+                   help="a directory where an earlier build of the package is installed (pip install --no-deps "
+                        "--target): its save gets a row of its own, for before/after figures from one run")
+    p.add_argument("--before-name", default="before", help="what that row is called in the table")
     p.add_argument("--worker", nargs=3, metavar=("ROW", "OUT", "SRC"), help=argparse.SUPPRESS)
+    p.add_argument("--rank-worker", nargs=4, metavar=("OUT", "RANK", "WORLD", "INIT"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         row, out, src = args.worker
         print(json.dumps(worker(row, out, args.size_gb, args.shards, args.max_memory, src)))
         return 0
+    if args.rank_worker:
+        out, rank, world, init = args.rank_worker
+        print(json.dumps(group_worker(out, args.size_gb, args.shards, args.max_memory, int(rank), int(world), init)))
+        return 0
 
     rows = [r for r in ROWS if r in args.rows.split(",")]
+    if args.before:
+        if not (args.before / "fastsafetensors_rs").is_dir():
+            print(f"error: --before {args.before}: no fastsafetensors_rs package there "
+                  f"(pip install --no-deps --target {args.before} an earlier wheel)")
+            return 1
+        rows.insert(rows.index("ours") + 1 if "ours" in rows else 0, BEFORE)
     shapes, cap, groups = plan(args.size_gb, args.shards)
     nbytes = sum(2 * math.prod(shape) for _, shape in shapes)
     budget = budget_bytes(args.max_memory)
@@ -350,7 +453,10 @@ def report(args: argparse.Namespace, rows: list[str], samples: dict[str, list[di
     shown_budget = "unlimited" if budget is None else f"{budget / MiB:.0f} MiB"
     what = {"ours": f"`fastsafetensors_rs.save` (max_memory {shown_budget})",
             "safetensors": "`save_file` per shard + fsync", "ibm-0.5": "`save_sharded(fsync=True)`",
-            "torch.save": "`torch.save` per shard + fsync", "dd": f"{args.shards} x `dd oflag=direct conv=fsync`, parallel"}
+            "torch.save": "`torch.save` per shard + fsync", "dd": f"{args.shards} x `dd oflag=direct conv=fsync`, parallel",
+            "ours-2-ranks": "`save(..., process_group=)`, 2 gloo ranks, slowest rank",
+            "ours-4-ranks": "`save(..., process_group=)`, 4 gloo ranks, slowest rank",
+            BEFORE: f"`fastsafetensors_rs.save`, {args.before_name} ({args.before})"}
     print(f"\nDurable saves: {nbytes / 1e9:.2f} GB of Llama-shaped bf16 in {args.shards} shards, median of "
           f"{args.runs}, rows rotated, fresh process each; GB/s = tensor bytes / s\n")
     print("| row | what is timed | s | GB/s | ours / row | peak RSS MiB | peak - tensors MiB | added by the save MiB |")
@@ -365,6 +471,7 @@ def report(args: argparse.Namespace, rows: list[str], samples: dict[str, list[di
               f"| {cell(m.get('above_tensors_mib'), '{:.0f}')} | {cell(m.get('during_save_mib'), '{:.0f}')} |")
 
     verdicts = []
+    problems_early: list[str] = []
     for row, bound in TARGETS.items():
         if row in rows:
             value = speedup(row)
@@ -376,14 +483,28 @@ def report(args: argparse.Namespace, rows: list[str], samples: dict[str, list[di
         verdicts.append((f"ours' peak RSS <= tensors + budget + 256 MiB ({cell(limit, '{:.0f} MiB')} above them)",
                          cell(above, "{:.0f} MiB"),
                          "SKIP" if above is None or limit is None else "PASS" if above <= limit else "MISS"))
+    for row in rows:
+        world = group_size_of(row)
+        done = [r for r in samples[row] if "error" not in r]
+        if world and done:
+            wrote = [max(r["wrote"][k] for r in done) for k in range(world)]
+            files = sum(done[0]["files"].values())
+            worst = max(abs(w - files / world) for w in wrote) / (files / world)
+            exact = all(r["exact"] for r in done)
+            print(f"{row}: bytes written per rank (MiB) {[round(w / MiB) for w in wrote]}, the checkpoint's files "
+                  f"{files / MiB:.0f} MiB ({files / world / MiB:.0f} each); read back bit-exact: {exact}")
+            verdicts.append((f"{row}: each rank writes 1/{world} of the checkpoint (within 1%)", f"{worst:.2%} off",
+                             "SKIP" if sum(wrote) == 0 else "PASS" if worst <= 0.01 else "MISS"))
+            if not exact:
+                problems_early.append(f"{row}: the checkpoint read back differs from the tensors saved")
     print("\n| target | measured | verdict |\n|---|---|---|")
     for label, value, verdict in verdicts:
         print(f"| {label} | {value} | {verdict} |")
 
     # What the rows wrote: ours the planned shards (the groups the peers saved), the same files as
     # safetensors' save_file, byte count for byte count.
-    problems = [f"{row}: {m['errors']} of {m['runs'] + m['errors']} runs failed" for row, m in medians.items()
-                if m["errors"] and not m.get("why", "").startswith("unavailable")]
+    problems = problems_early + [f"{row}: {m['errors']} of {m['runs'] + m['errors']} runs failed"
+                                 for row, m in medians.items() if m["errors"] and not m.get("why", "").startswith("unavailable")]
     first = {row: next((r for r in samples[row] if "error" not in r), None) for row in rows}
     if first.get("ours"):
         if [sorted(g) for g in first["ours"]["groups"]] != [sorted(g) for g in groups]:

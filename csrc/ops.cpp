@@ -503,29 +503,63 @@ Strings keys(std::string file) {
   return names;
 }
 
+// The tensors handed to a save as Rust takes them, each made contiguous on its own device
+// first (the copies live as long as this), and the event torch's stream records for CUDA ones.
+class SaveTensors {
+ public:
+  SaveTensors(const Strings& names, const std::vector<Tensor>& tensors) {
+    if (names.size() != tensors.size()) tt::fail("fastsafetensors: save: names and tensors differ in number");
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const Tensor& t = tensors[i];
+      std::string dtype;
+      try {
+        dtype = dtype_name(tt::scalar_type(t));
+      } catch (const std::exception&) {  // the stable ABI names no quantized, bits or sub-byte dtype
+        tt::fail("tensor '" + names[i] + "' cannot be saved: safetensors has no dtype for its torch dtype " +
+                 "(a quantized, bits or sub-byte integer type)");
+      }
+      const int32_t device = tt::is_cuda(t) ? tt::device_index(t) : -1;
+      if (device >= 0 && !ready_) ready_.emplace(device);
+      contiguous_.push_back(tt::contiguous(t));  // t itself where it is contiguous
+      rs::SaveTensorSpec spec{names[i], dtype, {}, {}, address(contiguous_.back()), address(t), device};
+      for (const int64_t d : tt::sizes(t)) spec.shape.push_back(d);
+      for (const int64_t s : tt::strides(t)) spec.strides.push_back(s);
+      specs_.push_back(std::move(spec));
+    }
+  }
+  const ::rust::Vec<rs::SaveTensorSpec>& specs() const { return specs_; }
+  uint64_t ready() const { return ready_ ? ready_->handle() : 0; }
+
+ private:
+  ::rust::Vec<rs::SaveTensorSpec> specs_;
+  std::vector<Tensor> contiguous_;  // alive until the bytes are written
+  std::optional<ReadyEvent> ready_;
+};
+
 // Saves `tensors` as bridge.rs `save` says (max_shard_size < 0: one file at `target`), each
 // made contiguous on its own device first; copies off a CUDA device come after torch's stream.
 Strings save(Strings names, std::vector<Tensor> tensors, std::string target, int64_t max_shard_size,
              std::optional<Strings> metadata_keys, std::optional<Strings> metadata_values, std::string max_memory) {
-  if (names.size() != tensors.size()) tt::fail("fastsafetensors: save: names and tensors differ in number");
-  ::rust::Vec<rs::SaveTensorSpec> specs;
-  std::vector<Tensor> contiguous;  // alive until the bytes are written
-  std::optional<ReadyEvent> ready;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const Tensor& t = tensors[i];
-    const int32_t device = tt::is_cuda(t) ? tt::device_index(t) : -1;
-    if (device >= 0 && !ready) ready.emplace(device);
-    contiguous.push_back(tt::contiguous(t));  // t itself where it is contiguous
-    rs::SaveTensorSpec spec{names[i], dtype_name(tt::scalar_type(t)), {}, {}, address(contiguous.back()), address(t), device};
-    for (const int64_t d : tt::sizes(t)) spec.shape.push_back(d);
-    for (const int64_t s : tt::strides(t)) spec.strides.push_back(s);
-    specs.push_back(std::move(spec));
-  }
+  const SaveTensors given(names, tensors);
   return from_rust(call_rust([&] {
-    return rs::save(specs, target, max_shard_size, metadata_keys.has_value(), to_rust(metadata_keys.value_or(Strings{})),
-                    to_rust(metadata_values.value_or(Strings{})), max_memory, ready ? ready->handle() : 0);
+    return rs::save(given.specs(), target, max_shard_size, metadata_keys.has_value(),
+                    to_rust(metadata_keys.value_or(Strings{})), to_rust(metadata_values.value_or(Strings{})),
+                    max_memory, given.ready());
   }));
 }
+
+// The steps of a group's save (bridge.rs `save_begin` ... `save_end`).
+Strings save_begin(std::string spec) { return from_rust(call_rust([&] { return rs::save_begin(spec); })); }
+
+int64_t save_write(int64_t handle, Strings locations, Strings names, std::vector<Tensor> tensors,
+                   std::string max_memory) {
+  const SaveTensors given(names, tensors);
+  return static_cast<int64_t>(call_rust(
+      [&] { return rs::save_write(handle, to_rust(locations), given.specs(), max_memory, given.ready()); }));
+}
+
+Strings save_commit(int64_t handle) { return from_rust(call_rust([&] { return rs::save_commit(handle); })); }
+bool save_end(int64_t handle) { return rs::save_end(handle); }
 
 Metadata metadata(std::string file) {
   auto described = describe(std::move(file), -1);
@@ -574,6 +608,10 @@ FST_LIBRARY(m) {
   m.def("cancel_handle(int handle) -> bool");
   m.def("save(str[] names, Tensor[] tensors, str target, int max_shard_size=-1, str[]? metadata_keys=None,"
         " str[]? metadata_values=None, str max_memory=\"\") -> str[]");
+  m.def("save_begin(str spec) -> str[]");
+  m.def("save_write(int handle, str[] locations, str[] names, Tensor[] tensors, str max_memory=\"\") -> int");
+  m.def("save_commit(int handle) -> str[]");
+  m.def("save_end(int handle) -> bool");
 }
 
 FST_LIBRARY_IMPL(m) {
@@ -602,6 +640,10 @@ FST_LIBRARY_IMPL(m) {
   m.impl("close_handle", FST_KERNEL(close_handle));
   m.impl("cancel_handle", FST_KERNEL(cancel_handle));
   m.impl("save", FST_KERNEL(save));
+  m.impl("save_begin", FST_KERNEL(save_begin));
+  m.impl("save_write", FST_KERNEL(save_write));
+  m.impl("save_commit", FST_KERNEL(save_commit));
+  m.impl("save_end", FST_KERNEL(save_end));
 }
 
 }  // namespace fastsafetensors

@@ -364,6 +364,32 @@ mod ffi {
             ready: u64,
         ) -> Result<Vec<String>>;
 
+        /// Begins one rank's part of a save (a group's, or a single process's as rank 0 of
+        /// 1): `spec` is JSON, `{"rank", "world", "target", "max_shard_size" (-1: one file),
+        /// "metadata" (or null), "ranks": [[{"name", "dtype", "shape"}, ...] per rank],
+        /// "files" (optional: [{"path", "tensors": [names], "metadata"}], the caller's files)}`.
+        /// Rank 0 prepares the target and creates the files. Returns the session's handle,
+        /// the bytes this rank writes, then (rank 0) where each file is being written.
+        fn save_begin(spec: &str) -> Result<Vec<String>>;
+        /// Writes this rank's part of save `handle` from `tensors` (its own, any order) and
+        /// makes it durable; `locations`: what rank 0's `save_begin` returned (rank 0: none).
+        /// Returns the bytes written.
+        ///
+        /// # Safety
+        /// As for `save`.
+        unsafe fn save_write(
+            handle: i64,
+            locations: &Vec<String>,
+            tensors: &Vec<SaveTensorSpec>,
+            max_memory: &str,
+            ready: u64,
+        ) -> Result<u64>;
+        /// Commits save `handle` (rank 0, once every rank's part is durable); returns the
+        /// paths written, the index last.
+        fn save_commit(handle: i64) -> Result<Vec<String>>;
+        /// Ends save `handle` without committing: what it made is removed. False if unknown.
+        fn save_end(handle: i64) -> bool;
+
         /// Reads and validates one file's header without reading its data (with a handle: the
         /// header as it was opened).
         fn read_header(path: &str, handle: i64) -> Result<HeaderSpec>;
@@ -375,9 +401,10 @@ mod ffi {
     }
 }
 
-use ffi::{
-    CheckpointSpec, DeviceSpec, FileCopy, HeaderSpec, HeaderTensor, Route, SaveTensorSpec, TensorSelection, TensorSpec,
-};
+mod save;
+use save::{save, save_begin, save_commit, save_end, save_write};
+
+use ffi::{CheckpointSpec, DeviceSpec, FileCopy, HeaderSpec, HeaderTensor, Route, TensorSelection, TensorSpec};
 
 pub struct PlannedFiles {
     planned: Planned,
@@ -1181,92 +1208,6 @@ fn read_header(path: &str, handle: i64) -> Result<HeaderSpec> {
         let (metadata_keys, metadata_values) = header.metadata.unwrap_or_default().into_iter().unzip();
         Ok(HeaderSpec { has_metadata, metadata_keys, metadata_values, tensors })
     })
-}
-
-#[allow(clippy::too_many_arguments)]
-unsafe fn save(
-    tensors: &Vec<SaveTensorSpec>,
-    target: &str,
-    max_shard_size: i64,
-    has_metadata: bool,
-    metadata_keys: &Vec<String>,
-    metadata_values: &Vec<String>,
-    max_memory: &str,
-    ready: u64,
-) -> Result<Vec<String>> {
-    use crate::plan::save::{check_shared, plan_save, SaveTarget, SaveTensor, Span};
-    use crate::save::{DeviceGather, HostGather, SaveOptions, TensorBytes};
-    guard(|| {
-        let target = match u64::try_from(max_shard_size) {
-            Ok(max_shard_size) => SaveTarget::Directory { dir: target.into(), max_shard_size },
-            Err(_) => SaveTarget::File(target.into()),
-        };
-        let specs = tensors
-            .iter()
-            .enumerate()
-            .map(|(i, t)| SaveTensor::from_torch(&t.name, &t.dtype, &t.shape, i))
-            .collect::<Result<Vec<_>>>()?;
-        let sizes = specs.iter().map(SaveTensor::nbytes).collect::<Result<Vec<u64>>>()?;
-        let names: Vec<String> = tensors.iter().map(|t| t.name.clone()).collect();
-        let spans: Vec<Span> = tensors.iter().zip(&sizes).map(|(t, &nbytes)| covered(t, nbytes)).collect();
-        check_shared(&names, &spans)?;
-        let metadata =
-            has_metadata.then(|| metadata_keys.iter().cloned().zip(metadata_values.iter().cloned()).collect());
-        let plan = plan_save(specs, &target, metadata.as_ref())?;
-        let sources: Vec<TensorBytes> = tensors
-            .iter()
-            .enumerate()
-            .map(|(i, t)| match t.device {
-                // SAFETY: the caller keeps the bytes readable and unchanged until we return.
-                -1 => TensorBytes::Host(unsafe { host_bytes(t.address, sizes[i]) }),
-                _ => TensorBytes::Device(t.address),
-            })
-            .collect();
-        let budget = budget::stream_budget(Some(max_memory).filter(|m| !m.is_empty()))?;
-        let options = SaveOptions::within(budget, crate::source::io_threads()?);
-        let devices: std::collections::BTreeSet<i64> = tensors.iter().map(|t| t.device).filter(|&d| d >= 0).collect();
-        let written = match devices.iter().collect::<Vec<_>>()[..] {
-            [] => crate::save::save(&plan, &target, &sources, &HostGather, &options)?,
-            [&ordinal] => {
-                // SAFETY: the extension keeps the event alive until this call returns.
-                let ready = unsafe { ready_event(ready) };
-                let device = CudaDevice::new(Context::primary(ordinal as usize)?, ready)?;
-                crate::save::save(&plan, &target, &sources, &DeviceGather::new(&device)?, &options)?
-            }
-            _ => {
-                let list: Vec<String> = devices.iter().map(|d| format!("cuda:{d}")).collect();
-                return Err(Error::InvalidArgument(format!(
-                    "the tensors are on {}: save from one device at a time (or move them to one)",
-                    list.join(", ")
-                )));
-            }
-        };
-        Ok(written.into_iter().map(|p| p.to_string_lossy().into_owned()).collect())
-    })
-}
-
-/// The memory the caller's tensor covers: from its first element to the end of its last
-/// (torch's strides are never negative), `nbytes` being its size once contiguous.
-fn covered(t: &SaveTensorSpec, nbytes: u64) -> crate::plan::save::Span {
-    let numel: i64 = t.shape.iter().product();
-    let end = match numel {
-        0 => t.origin,
-        _ => {
-            let last: i64 = t.shape.iter().zip(&t.strides).map(|(&n, &stride)| (n - 1) * stride).sum();
-            t.origin + (last as u64 + 1) * (nbytes / numel as u64)
-        }
-    };
-    crate::plan::save::Span { device: t.device, begin: t.origin, end }
-}
-
-/// # Safety
-/// `len` bytes at `address` are readable and unchanged for the lifetime the caller picks.
-unsafe fn host_bytes<'a>(address: u64, len: u64) -> &'a [u8] {
-    if len == 0 {
-        return &[];
-    }
-    // SAFETY: the caller's contract.
-    unsafe { std::slice::from_raw_parts(address as *const u8, len as usize) }
 }
 
 fn torch_dtype_name(code: i32) -> String {

@@ -19,7 +19,9 @@
 //!   [`load::device_stream`]), files held open across loads ([`load::handle`]);
 //! - [`sink`] and [`save`]: saving, the mirror of loading: the layout planned in
 //!   [`plan::save`], bytes gathered from host or device memory and written through a
-//!   [`sink::Sink`] (a local file under a temporary name, published when durable);
+//!   [`sink::Sink`] (a local file under a temporary name, published when durable; a
+//!   checkpoint directory committed as a whole by [`sink::commit`]), by one process or by
+//!   the ranks of a group ([`save::SaveSession`]);
 //! - [`bridge`]: the only FFI surface. The C++ torch extension calls it, wraps the buffers as
 //!   tensors and carries out what it says for each tensor.
 

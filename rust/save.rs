@@ -6,8 +6,11 @@
 //! tensors' bytes: copied from host memory, or copied off the device into a pinned staging
 //! buffer through [`Device`]), and write it at its offset. While one writer waits for the
 //! disk the others gather, so device-to-host copies overlap the writes. Then every file is
-//! synced, renamed into place, the directory synced, and the index written last
-//! ([`sink`](crate::sink) says why that order survives a crash).
+//! synced and published: one file renamed into place, a checkpoint directory committed as a
+//! whole ([`commit`](crate::sink::commit) says how, and why no crash leaves a mix). A
+//! [`SaveSession`] runs those steps, on one process or on each rank of a group: the ranks
+//! write the byte ranges [`assign_ranges`](crate::plan::save::assign_ranges) gives them, and
+//! the first commits once all are durable.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -18,9 +21,10 @@ use rayon::prelude::*;
 
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::plan::save::{FileLayout, SavePlan, SaveTarget, INDEX_FILE, SINGLE_FILE};
+use crate::plan::save::{FileLayout, SavePlan, SaveTarget, WriteRange};
 use crate::plan::{align_up, DEFAULT_BLOCK, IO_ALIGN};
-use crate::sink::{publish, FileSink, Sink};
+use crate::sink::commit::{CheckpointDir, Commit};
+use crate::sink::{publish, remove_stale_temps, FileSink, Sink};
 use crate::source::io_pool;
 
 /// Where a tensor's bytes are: host memory the caller keeps alive for the save, or a device
@@ -29,6 +33,8 @@ use crate::source::io_pool;
 pub enum TensorBytes<'a> {
     Host(&'a [u8]),
     Device(u64),
+    /// Held by another rank of a group save (this rank writes none of its bytes).
+    Elsewhere,
 }
 
 /// How a save writes.
@@ -144,15 +150,29 @@ pub fn write_files<S: Sink, G: Gather>(
     gather: &G,
     options: &SaveOptions,
 ) -> Result<()> {
+    let whole: Vec<WriteRange> =
+        files.iter().enumerate().map(|(file, f)| WriteRange { file, start: 0, end: f.len }).collect();
+    write_ranges(files, sinks, &whole, sources, gather, options)
+}
+
+/// Writes `ranges` of the files through their sinks: each range's start is aligned for direct
+/// writes (a multiple of [`ASSIGN_UNIT`](crate::plan::save::ASSIGN_UNIT), or 0), its end a multiple of it or the file's end.
+pub fn write_ranges<S: Sink, G: Gather>(
+    files: &[FileLayout],
+    sinks: &[S],
+    ranges: &[WriteRange],
+    sources: &[TensorBytes],
+    gather: &G,
+    options: &SaveOptions,
+) -> Result<()> {
     let block = options.block;
-    let blocks: Vec<Block> = files
+    let blocks: Vec<Block> = ranges
         .iter()
-        .enumerate()
-        .flat_map(|(file, f)| {
-            (0..f.len.div_ceil(block)).map(move |k| Block {
-                file,
-                offset: k * block,
-                len: block.min(f.len - k * block),
+        .flat_map(|r| {
+            (0..(r.end - r.start).div_ceil(block)).map(move |k| Block {
+                file: r.file,
+                offset: r.start + k * block,
+                len: block.min(r.end - r.start - k * block),
             })
         })
         .collect();
@@ -214,8 +234,19 @@ fn write_block<S: Sink, G: Gather>(
             bytes[..n].copy_from_slice(&file.header[b.offset as usize..b.offset as usize + n]);
         }
         for (source, skip, at, len) in pieces.clone() {
-            if let TensorBytes::Host(data) = source {
-                bytes[at..at + len].copy_from_slice(&data[skip as usize..skip as usize + len]);
+            match source {
+                TensorBytes::Host(data) => {
+                    bytes[at..at + len].copy_from_slice(&data[skip as usize..skip as usize + len])
+                }
+                TensorBytes::Elsewhere => {
+                    return Err(Error::InvalidArgument(format!(
+                        "{}: internal error: bytes {}..{} hold a tensor this rank does not have",
+                        file.path.display(),
+                        b.offset,
+                        b.offset + b.len
+                    )))
+                }
+                TensorBytes::Device(_) => {}
             }
         }
         bytes[b.len as usize..].fill(0);
@@ -229,10 +260,8 @@ fn write_block<S: Sink, G: Gather>(
     sink.write_at(b.offset, &gather.bytes(buffer)[..padded])
 }
 
-/// Saves a plan: the files (and the index) written under temporary names and synced, then
-/// renamed into place, the index last, and the directory synced. An error before the renames
-/// leaves nothing behind.
-/// Returns the paths written (the index last).
+/// Saves a plan in one call: [`SaveSession::begin`], [`SaveSession::write`] of every byte,
+/// [`SaveSession::commit`]. Returns the paths written (the index last).
 pub fn save<G: Gather>(
     plan: &SavePlan,
     target: &SaveTarget,
@@ -240,55 +269,149 @@ pub fn save<G: Gather>(
     gather: &G,
     options: &SaveOptions,
 ) -> Result<Vec<PathBuf>> {
-    if let SaveTarget::Directory { dir, .. } = target {
-        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, "create_dir_all", e))?;
-    }
-    let mut sinks = plan
-        .files
-        .iter()
-        .map(|f| FileSink::create(&f.path, f.len, options.direct))
-        .collect::<Result<Vec<FileSink>>>()?;
-    // The index is written with the files, so that a disk too full for it fails the save
-    // before anything is published; it is published last.
-    let mut index = match &plan.index {
-        Some((path, bytes)) => {
-            let sink = FileSink::create(path, bytes.len() as u64, false)?;
-            sink.write_at(0, bytes)?;
-            Some(sink)
-        }
-        None => None,
-    };
-    write_files(&plan.files, &sinks, sources, gather, options)?;
-    io_pool().install(|| sinks.par_iter_mut().try_for_each(|s| s.finish()))?;
-    if let Some(index) = &mut index {
-        index.finish()?;
-    }
-    let mut written = publish(sinks)?;
-    if let Some(index) = index {
-        written.extend(publish(vec![index])?);
-    }
-    if let SaveTarget::Directory { dir, .. } = target {
-        remove_stale(dir, &written)?;
-    }
-    Ok(written)
+    let ranges = plan.files.iter().enumerate().map(|(file, f)| WriteRange { file, start: 0, end: f.len }).collect();
+    let mut session = SaveSession::begin(plan.clone(), target, ranges, options.direct)?;
+    session.write(&[], sources, gather, options)?;
+    session.commit()
 }
 
-/// Removes what an earlier save left in `dir` that the new checkpoint does not have: its
-/// shards, its index, or its single file (a loader would take a stale `model.safetensors`
-/// before the new index). Only names a save writes are touched.
-fn remove_stale(dir: &Path, written: &[PathBuf]) -> Result<()> {
-    let shard = regex::Regex::new(r"^model-\d{5}-of-\d{5}\.safetensors$").expect("a valid pattern");
-    let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, "read_dir", e))?;
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(name) = name.to_str() else { continue };
-        let ours = shard.is_match(name) || name == SINGLE_FILE || name == INDEX_FILE;
-        let path = dir.join(name);
-        if ours && !written.contains(&path) && entry.file_type().is_ok_and(|t| t.is_file()) {
-            std::fs::remove_file(&path).map_err(|e| Error::io(&path, "remove", e))?;
+/// A save in progress on one process, or on one rank of a group. The committing rank (the
+/// only one of a single-process save) begins it: it prepares the directory, creates every
+/// file (space reserved) and writes the index; every rank then writes its ranges of the files
+/// and syncs them; once every rank's bytes are durable, the committing rank commits: one file
+/// (or the caller's files) renamed into place, or a checkpoint directory committed as a whole
+/// ([`CheckpointDir`]): the directory holds the old checkpoint or the new one whenever the
+/// save is killed or fails. Dropped before its commit, it leaves nothing behind.
+pub struct SaveSession {
+    plan: SavePlan,
+    /// This rank's bytes to write.
+    ranges: Vec<WriteRange>,
+    /// On the committing rank: what it created.
+    owner: Option<Owner>,
+}
+
+struct Owner {
+    checkpoint: Option<CheckpointDir>,
+    sinks: Vec<FileSink>,
+    index: Option<FileSink>,
+}
+
+impl SaveSession {
+    /// Starts a save as its committing rank, which writes `ranges` of the files itself.
+    pub fn begin(plan: SavePlan, target: &SaveTarget, ranges: Vec<WriteRange>, direct: bool) -> Result<SaveSession> {
+        let name = |path: &Path| path.file_name().unwrap_or_default().to_string_lossy().into_owned();
+        let commit = Commit::from_env()?; // checked by every save, whichever it takes
+        let (checkpoint, sinks, index) = match target {
+            SaveTarget::Directory { dir, .. } => {
+                let names: Vec<String> = plan
+                    .files
+                    .iter()
+                    .map(|f| &f.path)
+                    .chain(plan.index.iter().map(|i| &i.0))
+                    .map(|p| name(p))
+                    .collect();
+                let checkpoint = CheckpointDir::prepare(dir, &names, commit)?;
+                let sinks = plan
+                    .files
+                    .iter()
+                    .map(|f| checkpoint.sink(&name(&f.path), f.len, direct))
+                    .collect::<Result<Vec<FileSink>>>()?;
+                // The index is written with the files, so that a disk too full for it fails
+                // the save before anything is published; it is published last.
+                let index = match &plan.index {
+                    Some((path, bytes)) => {
+                        let sink = checkpoint.sink(&name(path), bytes.len() as u64, false)?;
+                        sink.write_at(0, bytes)?;
+                        Some(sink)
+                    }
+                    None => None,
+                };
+                (Some(checkpoint), sinks, index)
+            }
+            SaveTarget::File(_) | SaveTarget::Files(_) => {
+                let mut dirs: Vec<PathBuf> = plan.files.iter().map(|f| crate::sink::parent(&f.path)).collect();
+                dirs.dedup();
+                for dir in &dirs {
+                    remove_stale_temps(dir);
+                }
+                let sinks = plan
+                    .files
+                    .iter()
+                    .map(|f| FileSink::create(&f.path, f.len, direct))
+                    .collect::<Result<Vec<FileSink>>>()?;
+                (None, sinks, None)
+            }
+        };
+        Ok(SaveSession { plan, ranges, owner: Some(Owner { checkpoint, sinks, index }) })
+    }
+
+    /// Joins a save another rank began, to write `ranges` of its files.
+    pub fn join(plan: SavePlan, ranges: Vec<WriteRange>) -> SaveSession {
+        SaveSession { plan, ranges, owner: None }
+    }
+
+    pub fn plan(&self) -> &SavePlan {
+        &self.plan
+    }
+
+    /// Where each file's bytes are being written until the commit (on the committing rank).
+    pub fn locations(&self) -> Vec<PathBuf> {
+        self.owner.as_ref().map_or_else(Vec::new, |o| o.sinks.iter().map(|s| s.temp_path().to_owned()).collect())
+    }
+
+    /// Writes this rank's ranges and makes them durable: through the sinks it created (the
+    /// committing rank) or into the files at `locations` (the others). Returns the bytes written.
+    pub fn write<G: Gather>(
+        &mut self,
+        locations: &[PathBuf],
+        sources: &[TensorBytes],
+        gather: &G,
+        options: &SaveOptions,
+    ) -> Result<u64> {
+        let written = self.ranges.iter().map(|r| r.end - r.start).sum();
+        match &mut self.owner {
+            Some(owner) => {
+                write_ranges(&self.plan.files, &owner.sinks, &self.ranges, sources, gather, options)?;
+            }
+            None => {
+                if locations.len() != self.plan.files.len() {
+                    return Err(Error::InvalidArgument(format!(
+                        "a group save gave {} locations for {} files",
+                        locations.len(),
+                        self.plan.files.len()
+                    )));
+                }
+                let sinks = self
+                    .plan
+                    .files
+                    .iter()
+                    .zip(locations)
+                    .map(|(f, at)| FileSink::open_existing(&f.path, at, options.direct))
+                    .collect::<Result<Vec<FileSink>>>()?;
+                write_ranges(&self.plan.files, &sinks, &self.ranges, sources, gather, options)?;
+                let mut touched: Vec<usize> = self.ranges.iter().map(|r| r.file).collect();
+                touched.dedup();
+                io_pool().install(|| touched.par_iter().try_for_each(|&f| sinks[f].sync()))?;
+            }
+        }
+        Ok(written)
+    }
+
+    /// Commits the save (on the committing rank, once every rank's bytes are durable): every
+    /// file cut to its length and synced, then published. Returns the paths, the index last.
+    pub fn commit(mut self) -> Result<Vec<PathBuf>> {
+        let Some(mut owner) = self.owner.take() else {
+            return Err(Error::InvalidArgument("only the rank that began a save commits it".into()));
+        };
+        io_pool().install(|| owner.sinks.par_iter_mut().try_for_each(|s| s.finish()))?;
+        if let Some(index) = &mut owner.index {
+            index.finish()?;
+        }
+        match owner.checkpoint {
+            Some(checkpoint) => checkpoint.commit(owner.sinks, owner.index),
+            None => publish(owner.sinks),
         }
     }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -296,7 +419,7 @@ mod tests {
     use super::*;
     use crate::device::HostMemoryDevice;
     use crate::format::{self, Dtype};
-    use crate::plan::save::{plan_save, SaveTensor};
+    use crate::plan::save::{plan_save, SaveTensor, INDEX_FILE};
     use crate::sink::MemorySink;
 
     /// Tensors of every size around the block edges, with distinct bytes.

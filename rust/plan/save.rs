@@ -242,6 +242,16 @@ pub enum SaveTarget {
     File(PathBuf),
     /// A checkpoint directory, in shards of at most this many bytes (a larger tensor alone).
     Directory { dir: PathBuf, max_shard_size: u64 },
+    /// Files the caller lays out: each its tensors (indices into the save's list) and metadata.
+    Files(Vec<FileSpec>),
+}
+
+/// One file of [`SaveTarget::Files`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileSpec {
+    pub path: PathBuf,
+    pub tensors: Vec<usize>,
+    pub metadata: Option<BTreeMap<String, String>>,
 }
 
 /// Everything a save writes: its files, then the index (sharded saves only).
@@ -263,12 +273,56 @@ pub fn plan_save(
     target: &SaveTarget,
     metadata: Option<&BTreeMap<String, String>>,
 ) -> Result<SavePlan> {
+    let all = 0..tensors.len();
+    plan_segments(tensors, std::slice::from_ref(&all), target, metadata)
+}
+
+/// Plans a save whose tensors come in `segments` (consecutive ranges of the list): a sharded
+/// checkpoint's shards never hold tensors of two segments (in a group save, tensors the same
+/// ranks hold), and each segment is sharded as [`plan_shards`] shards a whole save.
+fn plan_segments(
+    tensors: Vec<SaveTensor>,
+    segments: &[Range<usize>],
+    target: &SaveTarget,
+    metadata: Option<&BTreeMap<String, String>>,
+) -> Result<SavePlan> {
     check_names(&tensors)?;
     match target {
         SaveTarget::File(path) => Ok(SavePlan { files: vec![plan_file(path, tensors, metadata)?], index: None }),
+        SaveTarget::Files(specs) => {
+            let mut seen = vec![false; tensors.len()];
+            let mut files = Vec::with_capacity(specs.len());
+            for spec in specs {
+                let mut members = Vec::with_capacity(spec.tensors.len());
+                for &i in &spec.tensors {
+                    match seen.get_mut(i) {
+                        Some(seen) if !*seen => *seen = true,
+                        _ => {
+                            return Err(Error::InvalidArgument(format!(
+                                "{}: tensor {i} is not one of the save's or is in two files",
+                                spec.path.display()
+                            )))
+                        }
+                    }
+                    members.push(tensors[i].clone());
+                }
+                files.push(plan_file(&spec.path, members, spec.metadata.as_ref())?);
+            }
+            if let Some(i) = seen.iter().position(|s| !s) {
+                return Err(Error::InvalidArgument(format!("tensor '{}' is in none of the files", tensors[i].name)));
+            }
+            Ok(SavePlan { files, index: None })
+        }
         SaveTarget::Directory { dir, max_shard_size } => {
             let sizes = tensors.iter().map(SaveTensor::nbytes).collect::<Result<Vec<u64>>>()?;
-            let shards = plan_shards(&sizes, *max_shard_size);
+            let mut shards: Vec<Vec<usize>> = Vec::new();
+            for segment in segments.iter().filter(|s| !s.is_empty()) {
+                let within = plan_shards(&sizes[segment.clone()], *max_shard_size);
+                shards.extend(within.into_iter().map(|s| s.into_iter().map(|i| i + segment.start).collect()));
+            }
+            if shards.is_empty() {
+                shards.push(Vec::new());
+            }
             let names = shard_names(shards.len());
             let mut files = Vec::with_capacity(shards.len());
             for (members, name) in shards.iter().zip(&names) {
@@ -286,6 +340,225 @@ pub fn plan_save(
             Ok(SavePlan { files, index })
         }
     }
+}
+
+/// A tensor as one rank of a group describes it: torch's dtype name and its shape.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+pub struct RankTensor {
+    pub name: String,
+    pub dtype: String,
+    pub shape: Vec<i64>,
+}
+
+/// The tensors of a group save as one list: every name once, rank 0's in its order, then the
+/// names only later ranks hold, grouped by the ranks that hold them (tensors the same ranks
+/// hold are consecutive). A name on several ranks is one tensor, replicated: the same dtype
+/// and shape on each (its bytes are taken to be the same).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupTensors {
+    /// `source` of each: its index in this list.
+    pub tensors: Vec<SaveTensor>,
+    /// The ranks holding each tensor, ascending.
+    pub holders: Vec<Vec<usize>>,
+    /// Runs of tensors held by the same ranks.
+    pub segments: Vec<Range<usize>>,
+}
+
+pub fn group_tensors(ranks: &[Vec<RankTensor>]) -> Result<GroupTensors> {
+    let mut order: Vec<&RankTensor> = Vec::new();
+    let mut holders: Vec<Vec<usize>> = Vec::new();
+    let mut at: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    for (rank, tensors) in ranks.iter().enumerate() {
+        let mut own = HashSet::with_capacity(tensors.len());
+        for t in tensors {
+            if !own.insert(t.name.as_str()) {
+                return Err(Error::SaveRefused {
+                    name: t.name.clone(),
+                    why: format!("the name is given twice by rank {rank}"),
+                });
+            }
+            match at.get(t.name.as_str()) {
+                Some(&i) => {
+                    let first = order[i];
+                    if (first.dtype.as_str(), &first.shape) != (t.dtype.as_str(), &t.shape) {
+                        return Err(Error::SaveRefused {
+                            name: t.name.clone(),
+                            why: format!(
+                                "rank {} holds it as torch.{} {:?} and rank {rank} as torch.{} {:?}: a name several ranks hold is one tensor, replicated",
+                                holders[i][0], first.dtype, first.shape, t.dtype, t.shape
+                            ),
+                        });
+                    }
+                    holders[i].push(rank);
+                }
+                None => {
+                    at.insert(&t.name, order.len());
+                    order.push(t);
+                    holders.push(vec![rank]);
+                }
+            }
+        }
+    }
+    // Tensors the same ranks hold together, in the order their first one came.
+    let mut sets: Vec<&Vec<usize>> = Vec::new();
+    for h in &holders {
+        if !sets.contains(&h) {
+            sets.push(h);
+        }
+    }
+    let mut sorted: Vec<usize> = (0..order.len()).collect();
+    sorted.sort_by_key(|&i| sets.iter().position(|s| *s == &holders[i]));
+    let mut tensors = Vec::with_capacity(order.len());
+    let mut segments: Vec<Range<usize>> = Vec::new();
+    for (k, &i) in sorted.iter().enumerate() {
+        let t = order[i];
+        tensors.push(SaveTensor::from_torch(&t.name, &t.dtype, &t.shape, k)?);
+        match segments.last_mut() {
+            Some(last) if holders[sorted[last.start]] == holders[i] => last.end = k + 1,
+            _ => segments.push(k..k + 1),
+        }
+    }
+    let holders = sorted.iter().map(|&i| holders[i].clone()).collect();
+    Ok(GroupTensors { tensors, holders, segments })
+}
+
+/// Plans a group's save: as [`plan_save`], but a checkpoint directory's shards keep tensors
+/// held by different ranks apart (so that every shard has a rank holding all its bytes).
+pub fn plan_group_save(
+    group: &GroupTensors,
+    target: &SaveTarget,
+    metadata: Option<&BTreeMap<String, String>>,
+) -> Result<SavePlan> {
+    if let (SaveTarget::File(_) | SaveTarget::Files(_), [first, second, ..]) = (target, &group.segments[..]) {
+        let (a, b) = (first.start, second.start);
+        let path = match target {
+            SaveTarget::File(path) => path.display().to_string(),
+            _ => "the files".to_owned(),
+        };
+        return Err(Error::InvalidArgument(format!(
+            "{path}: the ranks give different tensors ('{}' from ranks {:?}, '{}' from ranks {:?}), and a file of a group's save holds tensors every writing rank has: ranks holding different tensors save a checkpoint directory (save(..., process_group=...)), whose shards keep them apart",
+            group.tensors[a].name, group.holders[a], group.tensors[b].name, group.holders[b]
+        )));
+    }
+    plan_segments(group.tensors.clone(), &group.segments, target, metadata)
+}
+
+/// Bytes `start..end` of file `file` of a plan, which one rank writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriteRange {
+    pub file: usize,
+    pub start: u64,
+    pub end: u64,
+}
+
+/// The granularity of the ranges [`assign_ranges`] hands out (a multiple of any write
+/// alignment).
+pub const ASSIGN_UNIT: u64 = 1 << 20;
+
+/// Splits the files' bytes among `world` ranks: each byte to exactly one rank, which holds
+/// every tensor whose bytes share its unit (`unit` bytes at a multiple of `unit`), so that it
+/// writes whole aligned units; the ranks able to write a run of units share it evenly, taking
+/// into account what each writes already. Tensors held by all ranks are split into `world`
+/// contiguous ranges (whole files where the sizes allow). Returns each rank's ranges, in file
+/// order, adjacent ones merged.
+pub fn assign_ranges(
+    files: &[FileLayout],
+    holders: &[Vec<usize>],
+    world: usize,
+    unit: u64,
+) -> Result<Vec<Vec<WriteRange>>> {
+    let everyone: Vec<usize> = (0..world).collect();
+    // Every unit with the ranks that can write it.
+    let mut units: Vec<(WriteRange, Vec<usize>)> = Vec::new();
+    for (f, file) in files.iter().enumerate() {
+        for k in 0..file.len.div_ceil(unit) {
+            let (start, end) = (k * unit, ((k + 1) * unit).min(file.len));
+            let first = file.tensors.partition_point(|t| t.offset + t.nbytes <= start);
+            let mut writers = everyone.clone();
+            let mut named: Option<usize> = None;
+            let within = file.tensors[first..].iter().zip(&file.names[first..]).enumerate();
+            for (k, (t, name)) in within.take_while(|(_, (t, _))| t.offset < end).filter(|(_, (t, _))| t.nbytes > 0) {
+                let h = &holders[t.source];
+                writers.retain(|r| h.contains(r));
+                if writers.is_empty() {
+                    let a = named.unwrap_or(first + k);
+                    return Err(Error::InvalidArgument(format!(
+                        "{}: tensors '{}' (held by ranks {:?}) and '{name}' (ranks {:?}) share a write unit that no rank holds whole: ranks holding different tensors save a checkpoint directory, whose shards keep them apart",
+                        file.path.display(),
+                        file.names[a],
+                        holders[file.tensors[a].source],
+                        h
+                    )));
+                }
+                named.get_or_insert(first + k);
+            }
+            units.push((WriteRange { file: f, start, end }, writers));
+        }
+    }
+    let mut loads = vec![0u64; world];
+    let mut owner = vec![0usize; units.len()];
+    let mut sets: Vec<Vec<usize>> = Vec::new();
+    for (_, w) in &units {
+        if !sets.contains(w) {
+            sets.push(w.clone());
+        }
+    }
+    // Sets of one rank first: what only it can write is its load before the shared ones.
+    sets.sort_by_key(|s| s.len());
+    for set in &sets {
+        let mine: Vec<usize> = (0..units.len()).filter(|&u| &units[u].1 == set).collect();
+        let bytes: Vec<u64> = mine.iter().map(|&u| units[u].0.end - units[u].0.start).collect();
+        let share = water_fill(&set.iter().map(|&r| loads[r]).collect::<Vec<_>>(), bytes.iter().sum());
+        // The units in order, each to the writer whose share its middle falls in.
+        let mut bounds = Vec::with_capacity(set.len());
+        let mut acc = 0u64;
+        for s in &share {
+            acc += s;
+            bounds.push(acc);
+        }
+        let mut at = 0u64;
+        for (&u, &n) in mine.iter().zip(&bytes) {
+            let middle = at + n / 2;
+            let k = bounds.iter().position(|&b| middle < b).unwrap_or(set.len() - 1);
+            owner[u] = set[k];
+            loads[set[k]] += n;
+            at += n;
+        }
+    }
+    let mut ranges: Vec<Vec<WriteRange>> = vec![Vec::new(); world];
+    for ((range, _), &rank) in units.iter().zip(&owner) {
+        match ranges[rank].last_mut() {
+            Some(last) if last.file == range.file && last.end == range.start => last.end = range.end,
+            _ => ranges[rank].push(*range),
+        }
+    }
+    Ok(ranges)
+}
+
+/// How `total` bytes are best shared by writers that already write `loads`: the shares that
+/// make the largest load the smallest (the least loaded filled up to a common level).
+fn water_fill(loads: &[u64], total: u64) -> Vec<u64> {
+    let mut order: Vec<usize> = (0..loads.len()).collect();
+    order.sort_by_key(|&i| (loads[i], i));
+    let mut level = 0u64;
+    let mut k = 0;
+    let mut below = 0u64;
+    while k < order.len() {
+        below += loads[order[k]];
+        k += 1;
+        level = (total + below).div_ceil(k as u64);
+        if k == order.len() || level <= loads[order[k]] {
+            break;
+        }
+    }
+    let mut share = vec![0u64; loads.len()];
+    let mut left = total;
+    for &i in order.iter().take(k) {
+        let s = level.saturating_sub(loads[i]).min(left);
+        share[i] = s;
+        left -= s;
+    }
+    share
 }
 
 #[cfg(test)]
@@ -423,5 +696,154 @@ mod tests {
         let one = plan_save(tensors, &SaveTarget::Directory { dir: dir.into(), max_shard_size: 1000 }, None).unwrap();
         assert_eq!((one.files.len(), one.index), (1, None));
         assert_eq!(one.files[0].path, dir.join(SINGLE_FILE));
+    }
+
+    fn rank_tensor(name: &str, dtype: &str, shape: &[i64]) -> RankTensor {
+        RankTensor { name: name.into(), dtype: dtype.into(), shape: shape.to_vec() }
+    }
+
+    #[test]
+    fn a_group_s_tensors_are_its_ranks_names_once_grouped_by_holders() {
+        let shared = rank_tensor("embed", "bfloat16", &[4, 8]);
+        let ranks = vec![
+            vec![rank_tensor("s0.a", "float32", &[3]), shared.clone()],
+            vec![shared.clone(), rank_tensor("s1.a", "float16", &[5]), rank_tensor("s1.b", "uint8", &[7])],
+            vec![shared.clone()],
+        ];
+        let group = group_tensors(&ranks).unwrap();
+        let names: Vec<&str> = group.tensors.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["s0.a", "embed", "s1.a", "s1.b"]);
+        assert_eq!(group.holders, [vec![0], vec![0, 1, 2], vec![1], vec![1]]);
+        assert_eq!(group.segments, [0..1, 1..2, 2..4]);
+        assert!(group.tensors.iter().enumerate().all(|(i, t)| t.source == i));
+
+        let mut differs = ranks.clone();
+        differs[2][0].shape = vec![8, 4];
+        let err = group_tensors(&differs).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "tensor 'embed' cannot be saved: rank 0 holds it as torch.bfloat16 [4, 8] and rank 2 as torch.bfloat16 [8, 4]: a name several ranks hold is one tensor, replicated"
+        );
+        let mut twice = ranks;
+        twice[1].push(rank_tensor("s1.a", "float16", &[5]));
+        assert!(group_tensors(&twice).unwrap_err().to_string().contains("given twice by rank 1"));
+    }
+
+    #[test]
+    fn a_group_directory_keeps_each_holders_tensors_in_shards_of_their_own() {
+        let ranks: Vec<Vec<RankTensor>> =
+            (0..3).map(|r| (0..3).map(|i| rank_tensor(&format!("s{r}.{i}"), "uint8", &[100])).collect()).collect();
+        let group = group_tensors(&ranks).unwrap();
+        let target = SaveTarget::Directory { dir: "/ckpt".into(), max_shard_size: 1000 };
+        let plan = plan_group_save(&group, &target, None).unwrap();
+        // Each rank's 300 bytes would fit one shard; they are kept apart: 3 shards.
+        let members: Vec<Vec<String>> = plan.files.iter().map(|f| f.names.clone()).collect();
+        assert_eq!(members, [["s0.0", "s0.1", "s0.2"], ["s1.0", "s1.1", "s1.2"], ["s2.0", "s2.1", "s2.2"]]);
+        assert!(plan.index.is_some());
+        // One rank's group is the single-process plan.
+        let one = group_tensors(&ranks[..1]).unwrap();
+        let alone = plan_save(one.tensors.clone(), &target, None).unwrap();
+        assert_eq!(plan_group_save(&one, &target, None).unwrap(), alone);
+    }
+
+    /// Every byte of every file in exactly one rank's ranges, units whole, ranges sorted.
+    fn check_cover(files: &[FileLayout], ranges: &[Vec<WriteRange>], unit: u64) {
+        for (f, file) in files.iter().enumerate() {
+            let mut pieces: Vec<(u64, u64)> =
+                ranges.iter().flatten().filter(|r| r.file == f).map(|r| (r.start, r.end)).collect();
+            pieces.sort();
+            let mut at = 0;
+            for (start, end) in pieces {
+                assert_eq!(start, at, "file {f}: a gap or an overlap at {at}");
+                assert!(start % unit == 0 && (end % unit == 0 || end == file.len), "{start}..{end}");
+                at = end;
+            }
+            assert_eq!(at, file.len, "file {f}");
+        }
+    }
+
+    #[test]
+    fn replicated_bytes_are_split_evenly_in_contiguous_ranges() {
+        let tensors: Vec<SaveTensor> =
+            (0..8).map(|i| t(&format!("w{i}"), Dtype::U8, &[1_000_000 + i as u64], i)).collect();
+        let target = SaveTarget::Directory { dir: "/ckpt".into(), max_shard_size: 2_500_000 };
+        let plan = plan_save(tensors, &target, None).unwrap();
+        for world in 1..=5 {
+            let holders = vec![(0..world).collect::<Vec<usize>>(); 8];
+            let ranges = assign_ranges(&plan.files, &holders, world, 1 << 16).unwrap();
+            check_cover(&plan.files, &ranges, 1 << 16);
+            let loads: Vec<u64> = ranges.iter().map(|r| r.iter().map(|r| r.end - r.start).sum()).collect();
+            let (min, max) = (loads.iter().min().unwrap(), loads.iter().max().unwrap());
+            assert!(max - min <= 1 << 16, "{world} ranks: {loads:?}");
+            // Contiguous: at most one range per file and rank, and a rank's ranges adjacent.
+            for r in &ranges {
+                for pair in r.windows(2) {
+                    assert!(
+                        pair[0].end == plan.files[pair[0].file].len
+                            && pair[1].start == 0
+                            && pair[1].file == pair[0].file + 1,
+                        "{r:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn each_rank_writes_what_only_it_holds_and_a_share_of_the_rest() {
+        // Rank 0 and 1 each hold 3 MB of their own; all three ranks hold 3 MB more.
+        let mut ranks: Vec<Vec<RankTensor>> = vec![Vec::new(); 3];
+        for (r, rank) in ranks.iter_mut().take(2).enumerate() {
+            *rank = (0..3).map(|i| rank_tensor(&format!("s{r}.{i}"), "uint8", &[1 << 20])).collect();
+        }
+        for rank in ranks.iter_mut() {
+            rank.extend((0..3).map(|i| rank_tensor(&format!("shared.{i}"), "uint8", &[1 << 20])));
+        }
+        let group = group_tensors(&ranks).unwrap();
+        let plan = plan_group_save(&group, &SaveTarget::Directory { dir: "/c".into(), max_shard_size: 4 << 20 }, None)
+            .unwrap();
+        let ranges = assign_ranges(&plan.files, &group.holders, 3, ASSIGN_UNIT).unwrap();
+        check_cover(&plan.files, &ranges, ASSIGN_UNIT);
+        let loads: Vec<u64> = ranges.iter().map(|r| r.iter().map(|r| r.end - r.start).sum()).collect();
+        // 9 MB and headers: rank 2 takes the shared ones, so every rank writes about 3 MB.
+        let total: u64 = plan.bytes();
+        assert_eq!(loads.iter().sum::<u64>(), total);
+        for load in &loads {
+            assert!(load.abs_diff(total / 3) <= ASSIGN_UNIT, "{loads:?}");
+        }
+        for (rank, r) in ranges.iter().enumerate() {
+            for range in r {
+                let file = &plan.files[range.file];
+                for p in file.tensors.iter().filter(|p| p.offset < range.end && p.offset + p.nbytes > range.start) {
+                    assert!(group.holders[p.source].contains(&rank), "rank {rank} writes a tensor it lacks");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn one_file_of_tensors_no_rank_holds_together_is_refused() {
+        let ranks = vec![vec![rank_tensor("a", "uint8", &[10])], vec![rank_tensor("b", "uint8", &[10])]];
+        let group = group_tensors(&ranks).unwrap();
+        let err = plan_group_save(&group, &SaveTarget::File("/x.safetensors".into()), None).unwrap_err().to_string();
+        assert!(err.starts_with("invalid argument: /x.safetensors: the ranks give different tensors ('a' from ranks [0], 'b' from ranks [1])"), "{err}");
+        // Laid out together all the same, the unit they share has no writer.
+        let plan = plan_save(group.tensors.clone(), &SaveTarget::File("/x.safetensors".into()), None).unwrap();
+        let err = assign_ranges(&plan.files, &group.holders, 2, ASSIGN_UNIT).unwrap_err().to_string();
+        assert!(err.contains("/x.safetensors: tensors 'a' (held by ranks [0]) and 'b' (ranks [1])"), "{err}");
+        // One rank giving nothing is no difference: the others write it all.
+        let ranks = vec![vec![rank_tensor("a", "uint8", &[10])], vec![]];
+        let group = group_tensors(&ranks).unwrap();
+        let plan = plan_group_save(&group, &SaveTarget::File("/x.safetensors".into()), None).unwrap();
+        assert_eq!(assign_ranges(&plan.files, &group.holders, 2, ASSIGN_UNIT).unwrap()[1], []);
+    }
+
+    #[test]
+    fn water_fill_levels_the_loads() {
+        assert_eq!(water_fill(&[0, 0], 10), [5, 5]);
+        assert_eq!(water_fill(&[8, 0], 10), [1, 9]);
+        assert_eq!(water_fill(&[20, 0, 2], 10), [0, 6, 4]);
+        assert_eq!(water_fill(&[0, 0, 0], 10).iter().sum::<u64>(), 10);
+        assert_eq!(water_fill(&[3], 0), [0]);
     }
 }

@@ -7,7 +7,14 @@
 //! Durability is the last step, in this order: each file synced (`fsync`), renamed to its
 //! final name, the directory synced. So a save killed at any moment leaves every file under a
 //! final name whole (the one it replaced, or the new one), and at worst a hidden temporary
-//! file (`.NAME.PID.N.tmp`) behind. A sink dropped before it is published removes its file.
+//! file (`.NAME.PID.N.tmp`) behind, which the next save into that directory removes
+//! ([`remove_stale_temps`]): its writer held a lock on it while it lived. A sink dropped
+//! before it is published removes its file.
+//!
+//! A checkpoint directory is committed as a whole by [`commit`]: its files are written into a
+//! staging directory beside it, which then takes its place in one rename.
+
+pub mod commit;
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
@@ -34,8 +41,12 @@ pub trait Sink: Sync {
 
 /// A local file written under a temporary name, published by [`publish`].
 pub struct FileSink {
+    /// The file's name as the caller knows it: errors name it.
     path: PathBuf,
+    /// Where its bytes are being written.
     temp: PathBuf,
+    /// Where [`publish`] renames it; None when it is written in place (in a staging directory).
+    target: Option<PathBuf>,
     file: File,
     len: u64,
     direct: bool,
@@ -45,32 +56,57 @@ pub struct FileSink {
 /// Distinguishes the temporary files of one process's saves.
 static NEXT_TEMP: AtomicU64 = AtomicU64::new(0);
 
+/// A new temporary name for `name` in this process: `.NAME.PID.N.tmp`.
+pub fn temp_name(name: &str) -> String {
+    let n = NEXT_TEMP.fetch_add(1, Ordering::Relaxed);
+    format!(".{name}.{}.{n}.tmp", std::process::id())
+}
+
+/// The final name and the writer's process id of a temporary name (`.NAME.PID.N.tmp`).
+pub fn parse_temp_name(temp: &str) -> Option<(&str, u32)> {
+    let rest = temp.strip_prefix('.')?.strip_suffix(".tmp")?;
+    let (rest, n) = rest.rsplit_once('.')?;
+    let (name, pid) = rest.rsplit_once('.')?;
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    (digits(n) && digits(pid) && !name.is_empty()).then_some(())?;
+    Some((name, pid.parse().ok()?))
+}
+
 impl FileSink {
     /// Creates the temporary file for `path` (in the same directory, so that the rename that
     /// publishes it is atomic) and reserves `len` bytes for it.
     pub fn create(path: &Path, len: u64, direct: bool) -> Result<FileSink> {
         let name =
             path.file_name().ok_or_else(|| Error::InvalidArgument(format!("{}: not a file name", path.display())))?;
-        // A directory in the way would only fail the rename, after every byte was written,
-        // and a save of several files would then have published some: refused first.
-        if std::fs::symlink_metadata(path).is_ok_and(|m| m.is_dir()) {
-            return Err(Error::io(path, "create", std::io::Error::from_raw_os_error(libc::EISDIR)));
-        }
-        let n = NEXT_TEMP.fetch_add(1, Ordering::Relaxed);
-        let temp = path.with_file_name(format!(".{}.{}.{n}.tmp", name.to_string_lossy(), std::process::id()));
-        let open = |flags: i32| OpenOptions::new().write(true).create_new(true).custom_flags(flags).open(&temp);
-        let (file, direct) = match direct {
-            true => match open(libc::O_DIRECT) {
-                Ok(file) => (file, true),
-                // tmpfs (and some FUSE filesystems) refuse O_DIRECT at open.
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                    (open(0).map_err(|e| Error::io(path, "create", e))?, false)
-                }
-                Err(e) => return Err(Error::io(path, "create", e)),
-            },
-            false => (open(0).map_err(|e| Error::io(path, "create", e))?, false),
-        };
-        let sink = FileSink { path: path.to_owned(), temp, file, len, direct, published: false };
+        refuse_directory(path)?;
+        let temp = path.with_file_name(temp_name(&name.to_string_lossy()));
+        FileSink::open(path, temp, Some(path.to_owned()), len, direct)
+    }
+
+    /// Creates the file `at` (in a staging directory: it is written under its own name, and
+    /// published by the directory's commit), whose errors name `path`.
+    pub fn create_staged(path: &Path, at: &Path, len: u64, direct: bool) -> Result<FileSink> {
+        FileSink::open(path, at.to_owned(), None, len, direct)
+    }
+
+    /// Opens a file another process created and writes parts of (a group save): never
+    /// created, cut, published or removed through this sink. `direct` as for [`FileSink::create`].
+    pub fn open_existing(path: &Path, at: &Path, direct: bool) -> Result<FileSink> {
+        let (file, direct) = open_for_writing(path, at, false, direct)?;
+        let len = file.metadata().map_err(|e| Error::io(path, "stat", e))?.len();
+        Ok(FileSink { path: path.to_owned(), temp: at.to_owned(), target: None, file, len, direct, published: true })
+    }
+
+    /// Makes what was written through this sink durable (the file's length aside).
+    pub fn sync(&self) -> Result<()> {
+        self.file.sync_all().map_err(|e| Error::io(&self.path, "fsync", e))
+    }
+
+    fn open(path: &Path, temp: PathBuf, target: Option<PathBuf>, len: u64, direct: bool) -> Result<FileSink> {
+        let (file, direct) = open_for_writing(path, &temp, true, direct)?;
+        // Held while this process writes the file: a later save removes it only once free.
+        lock(&file, false);
+        let sink = FileSink { path: path.to_owned(), temp, target, file, len, direct, published: false };
         sink.reserve()?;
         Ok(sink)
     }
@@ -129,15 +165,48 @@ impl Drop for FileSink {
     }
 }
 
+/// Opens `at` (a new file with `create`) for writing, with `O_DIRECT` where asked and the
+/// filesystem takes it (tmpfs and some FUSE filesystems refuse it at open: then buffered);
+/// errors name `path`. Returns the file and whether it is direct.
+fn open_for_writing(path: &Path, at: &Path, create: bool, direct: bool) -> Result<(File, bool)> {
+    let op = if create { "create" } else { "open" };
+    let open = |flags: i32| OpenOptions::new().write(true).create_new(create).custom_flags(flags).open(at);
+    match direct {
+        true => match open(libc::O_DIRECT) {
+            Ok(file) => Ok((file, true)),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                Ok((open(0).map_err(|e| Error::io(path, op, e))?, false))
+            }
+            Err(e) => Err(Error::io(path, op, e)),
+        },
+        false => Ok((open(0).map_err(|e| Error::io(path, op, e))?, false)),
+    }
+}
+
+/// Refuses a directory in the way of a file: it would only fail the rename, after every byte
+/// was written, and a save of several files would then have published some.
+pub fn refuse_directory(path: &Path) -> Result<()> {
+    if std::fs::symlink_metadata(path).is_ok_and(|m| m.is_dir()) {
+        return Err(Error::io(path, "create", std::io::Error::from_raw_os_error(libc::EISDIR)));
+    }
+    Ok(())
+}
+
 /// Renames finished sinks to their names, then syncs their directories: from here on the
 /// files survive a crash. Returns the paths, in order.
 pub fn publish(sinks: Vec<FileSink>) -> Result<Vec<PathBuf>> {
     let mut dirs: Vec<PathBuf> = Vec::new();
     let mut paths = Vec::with_capacity(sinks.len());
     for mut sink in sinks {
-        std::fs::rename(&sink.temp, &sink.path).map_err(|e| Error::io(&sink.path, "rename", e))?;
+        let at = match &sink.target {
+            Some(target) => {
+                std::fs::rename(&sink.temp, target).map_err(|e| Error::io(&sink.path, "rename", e))?;
+                target.clone()
+            }
+            None => sink.temp.clone(),
+        };
         sink.published = true;
-        let dir = parent(&sink.path);
+        let dir = parent(&at);
         if !dirs.contains(&dir) {
             dirs.push(dir);
         }
@@ -149,15 +218,67 @@ pub fn publish(sinks: Vec<FileSink>) -> Result<Vec<PathBuf>> {
     Ok(paths)
 }
 
-fn parent(path: &Path) -> PathBuf {
+pub(crate) fn parent(path: &Path) -> PathBuf {
     match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_owned(),
         _ => PathBuf::from("."),
     }
 }
 
-fn sync_dir(dir: &Path) -> Result<()> {
+pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
     File::open(dir).and_then(|d| d.sync_all()).map_err(|e| Error::io(dir, "fsync", e))
+}
+
+/// Takes `flock(LOCK_EX)` on `file` (waiting for it unless `try_only`); whether it was taken.
+/// Filesystems without locks (some NFS mounts) answer ENOLCK: the lock is then taken as free.
+pub(crate) fn lock(file: &File, try_only: bool) -> bool {
+    let op = if try_only { libc::LOCK_EX | libc::LOCK_NB } else { libc::LOCK_EX };
+    // SAFETY: a plain system call on a file descriptor the caller owns.
+    let rc = unsafe { libc::flock(file.as_raw_fd(), op) };
+    rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::EWOULDBLOCK)
+}
+
+/// Whether the save that wrote temporary `path` (a file or a staging directory), whose name
+/// says process `pid` wrote it, is gone: no such process here, and nobody holds its lock
+/// (which also covers a writer in another PID namespace, or on another host of a shared
+/// filesystem where locks work).
+pub(crate) fn abandoned(path: &Path, pid: u32) -> bool {
+    if pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists() {
+        return false;
+    }
+    let flags = libc::O_NOFOLLOW | libc::O_CLOEXEC;
+    match OpenOptions::new().read(true).custom_flags(flags).open(path) {
+        Ok(file) => lock(&file, true),
+        Err(e) => e.kind() != std::io::ErrorKind::NotFound && e.raw_os_error() != Some(libc::ELOOP),
+    }
+}
+
+/// Removes the temporary files (`.NAME.PID.N.tmp`, NAME a `.safetensors` file or an index)
+/// that saves which are gone left in `dir` (killed before they published them). Best effort:
+/// what cannot be removed stays, and files of other names are never touched.
+pub fn remove_stale_temps(dir: &Path) {
+    remove_abandoned(dir, |name, kind| {
+        kind.is_file() && (name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json"))
+    });
+}
+
+/// Removes the entries `.NAME.PID.N.tmp` of `dir` that `ours(NAME, kind)` claims and whose
+/// writer is gone ([`abandoned`]).
+pub(crate) fn remove_abandoned(dir: &Path, ours: impl Fn(&str, std::fs::FileType) -> bool) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some((final_name, pid)) = name.to_str().and_then(parse_temp_name) else { continue };
+        let Ok(kind) = entry.file_type() else { continue };
+        let path = entry.path();
+        if !ours(final_name, kind) || !abandoned(&path, pid) {
+            continue;
+        }
+        let _ = match kind.is_dir() {
+            true => std::fs::remove_dir_all(&path),
+            false => std::fs::remove_file(&path),
+        };
+    }
 }
 
 /// A sink in memory, for tests of what is written where: every write is kept.

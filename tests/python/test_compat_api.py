@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 
 import pytest
 import torch
@@ -533,6 +534,30 @@ def test_save_sharded_writes_ibm_shards_that_load_back(tmp_path):
     # ParallelSaver, the class IBM's package exports, writes the same way.
     out = fst.ParallelSaver(num_shards=2).save(tensors, str(tmp_path / "p" / "model"))
     assert sorted(fst.load(out)) == sorted(tensors)
+
+
+@pytest.mark.parametrize("refused", ["shared-memory", "complex128", "qint8"])
+def test_a_tensor_refused_in_a_later_shard_publishes_no_shard(tmp_path, refused):
+    """IBM's balance puts the big tensor in shard 1 and the two others in shard 2, where one is
+    refused: no shard is published (every shard is written before any is renamed), and the
+    directory keeps what it held."""
+    from fastsafetensors_rs.compat import saver
+
+    base = torch.arange(8, dtype=torch.float32)
+    second = {"shared-memory": base[2:6], "complex128": torch.zeros(2, dtype=torch.complex128),
+              "qint8": torch.quantize_per_tensor(torch.zeros(3), 0.5, 0, torch.qint8)}[refused]
+    tensors = {"big": torch.zeros(1000), "base": base, "second": second}
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "model-00001-of-00002.safetensors").write_bytes(b"an earlier shard")
+    # Entries made by hand (plain_entry refuses those dtypes at once), as an encoder's are.
+    entries = [saver.WriteEntry(n, None, list(t.shape), t.numel() * t.element_size(), t) for n, t in tensors.items()]
+    with pytest.raises(RuntimeError) as info:
+        saver.save_sharded(entries, str(d / "model"), num_shards=2)
+    msg = str(info.value)
+    assert "\n" not in msg and ("'second'" in msg or "'base'" in msg), msg
+    assert sorted(os.listdir(d)) == ["model-00001-of-00002.safetensors"]
+    assert (d / "model-00001-of-00002.safetensors").read_bytes() == b"an earlier shard"
 
 
 def test_save_sharded_refuses_what_it_cannot_do(tmp_path):

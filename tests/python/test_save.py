@@ -5,6 +5,7 @@ name)."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import hashlib
@@ -448,6 +449,24 @@ def test_a_resave_removes_the_earlier_checkpoint_files_only(tmp_path):
     assert (d / "sub" / SINGLE).read_bytes() == b"another directory's"
 
 
+def test_a_save_into_the_working_directory_commits_in_place(tmp_path, monkeypatch):
+    """A directory this process works in is not replaced (its working directory would be the
+    removed old one): the files are renamed in one by one, and relative paths keep working."""
+    d = tmp_path / "ckpt"
+    fastsafetensors_rs.save({"w": _x()}, d)
+    inode = d.stat().st_ino
+    monkeypatch.chdir(d)
+    tensors = shard_specs()
+    paths = fastsafetensors_rs.save(tensors, ".", max_shard_size=8000)
+    assert d.stat().st_ino == inode and os.path.samefile(".", d)
+    assert paths[-1] == f"./{INDEX}" and sorted(os.listdir(".")) == sorted(os.path.basename(p) for p in paths)
+    U.assert_same_dict(fastsafetensors_rs.load("."), tensors)
+    # Elsewhere, the same directory is replaced as a whole.
+    monkeypatch.chdir(tmp_path)
+    fastsafetensors_rs.save(tensors, d, max_shard_size=8000)
+    assert d.stat().st_ino != inode
+
+
 def test_save_creates_missing_directories(tmp_path):
     tensors = {"w": U.random_tensor(torch.float32, (4,), 1)}
     d = tmp_path / "a" / "b" / "ckpt"
@@ -516,6 +535,28 @@ def test_tied_weights_are_refused_by_name(tmp_path):
     assert not d.exists()
 
 
+@pytest.mark.parametrize("commit", ["exchange", "in-place"])
+def test_a_sharded_save_drops_an_earlier_model_safetensors_that_is_a_link(tmp_path, monkeypatch, commit):
+    """An earlier single-file checkpoint whose model.safetensors is a symbolic link (to a file
+    elsewhere): a sharded save over it leaves no model.safetensors (transformers reads it before
+    the index), so from_pretrained gets the new weights; the link's target is untouched."""
+    monkeypatch.setenv("FASTSAFETENSORS_SAVE_COMMIT", commit)
+    model = tiny_llama()
+    old = model.state_dict()
+    new = {k: (v + 1 if v.is_floating_point() else v) for k, v in old.items()}
+    elsewhere = tmp_path / "blobs" / "old.safetensors"
+    elsewhere.parent.mkdir()
+    fastsafetensors_rs.save_file(old, elsewhere, metadata={"format": "pt"})
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    os.symlink(elsewhere, d / SINGLE)
+    model.config.save_pretrained(d)
+    paths = fastsafetensors_rs.save(new, d, max_shard_size="40KB", metadata={"format": "pt"})
+    assert len(paths) >= 3 and not os.path.lexists(d / SINGLE), listing(d)
+    U.assert_same_dict(type(model).from_pretrained(d).state_dict(), new)
+    U.assert_same_dict(st_load_file(str(elsewhere)), old)
+
+
 # ---------------------------------------------------------------- refusals
 
 
@@ -574,6 +615,85 @@ def test_refused_inputs_fail_clearly_and_write_nothing(tmp_path, case, how):
     msg = assert_one_line_naming(info.value)
     assert msg.startswith(start), msg
     assert listing(d) == ["keep.txt"]
+
+
+# torch dtypes safetensors has no type for; torch's stable ABI cannot even name most of them.
+UNSAVABLE = ["qint8", "quint8", "qint32", "quint4x2", "quint2x4", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2",
+             *[f"uint{i}" for i in range(1, 8)], *[f"int{i}" for i in range(1, 8)], "complex32", "complex128"]
+
+
+def _of_dtype(name: str) -> torch.Tensor:
+    dt = getattr(torch, name)
+    if name.startswith("q"):
+        return torch._empty_affine_quantized([4], scale=0.5, zero_point=0, dtype=dt)
+    return torch.empty(4, dtype=dt)
+
+
+@pytest.mark.parametrize("how", ["save_file", "save", "op", "compat"])
+@pytest.mark.parametrize("dtype", UNSAVABLE)
+def test_a_dtype_safetensors_lacks_is_refused_in_one_line_naming_the_tensor(tmp_path, dtype, how):
+    tensors = {"ok": _x(), "odd.w": _of_dtype(dtype)}
+    d = tmp_path / "out"
+    d.mkdir()
+    kind = {"op": RuntimeError, "compat": ValueError}.get(how, SafetensorError)
+    with pytest.raises(kind) as info:
+        if how == "save_file":
+            fastsafetensors_rs.save_file(tensors, d / "x.safetensors")
+        elif how == "save":
+            fastsafetensors_rs.save(tensors, d, max_shard_size=16)
+        elif how == "op":
+            torch.ops.fastsafetensors.save(list(tensors), list(tensors.values()), str(d / "x.safetensors"))
+        else:
+            from fastsafetensors_rs.compat import saver
+            saver.save_sharded([saver.plain_entry(n, t) for n, t in tensors.items()], str(d / "model"), num_shards=2)
+    msg = assert_one_line_naming(info.value, "tensor 'odd.w' cannot be saved: safetensors has no dtype for")
+    if how != "op":
+        assert msg.endswith(f"safetensors has no dtype for torch.{dtype}"), msg
+    assert listing(d) == []
+
+
+def test_temporaries_of_saves_that_are_gone_are_removed_by_the_next_save(tmp_path):
+    """Hidden temporaries that killed saves left (`.NAME.PID.N.tmp`: files beside a file,
+    staging directories beside a checkpoint directory) are removed when the directory is next
+    saved into, once their process is gone; those of a live process and other programs' files
+    of that form stay."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dead = 4_194_305  # above the kernel's largest process id: no such process
+        d = tmp_path / "ckpt"
+        d.mkdir()
+        gone = [d / f".model-00001-of-00002.safetensors.{dead}.0.tmp", d / f".x.safetensors.{dead}.3.tmp",
+                tmp_path / f".ckpt.{dead}.1.tmp"]
+        kept = [d / f".model.safetensors.{sleeper.pid}.0.tmp", d / f".notes.txt.{dead}.0.tmp",
+                tmp_path / f".other.{dead}.1.tmp", tmp_path / f".ckpt.{sleeper.pid}.2.tmp"]
+        for p in gone + kept:
+            if p.name.endswith(f"{dead}.1.tmp") or p.name.endswith(".2.tmp"):
+                p.mkdir()
+                (p / "model.safetensors").write_bytes(b"partial")
+            else:
+                p.write_bytes(b"partial")
+        fastsafetensors_rs.save_file({"w": _x()}, d / "x.safetensors")
+        assert [p for p in gone if os.path.lexists(p)] == [gone[2]], "save_file cleans its own directory"
+        fastsafetensors_rs.save({"w": _x()}, d)
+        assert [p for p in gone if os.path.lexists(p)] == []
+        assert [p for p in kept if not p.exists()] == []
+        U.assert_same_dict(fastsafetensors_rs.load(d / SINGLE), {"w": _x()})
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+@pytest.mark.parametrize("how", ["save_file", "save"])
+def test_a_malformed_commit_setting_fails_every_save_naming_it(tmp_path, monkeypatch, how):
+    monkeypatch.setenv("FASTSAFETENSORS_SAVE_COMMIT", "atomic")
+    with pytest.raises(RuntimeError) as info:
+        if how == "save_file":
+            fastsafetensors_rs.save_file({"w": _x()}, tmp_path / "x.safetensors")
+        else:
+            fastsafetensors_rs.save({"w": _x()}, tmp_path / "ckpt")
+    assert assert_one_line_naming(info.value) == ("FASTSAFETENSORS_SAVE_COMMIT='atomic' is not valid: expected "
+                                                  "exchange, rename or in-place (or unset it for the default)")
+    assert listing(tmp_path) == []
 
 
 def test_safetensor_error_is_what_callers_catch():
@@ -668,7 +788,10 @@ def test_a_full_filesystem_fails_before_writing_and_keeps_the_earlier_checkpoint
         assert os.statvfs(mnt).f_bfree == free, "space still held by a removed temporary"
 
         ckpt = mnt / "ckpt"
-        fastsafetensors_rs.save(small, ckpt)
+        fastsafetensors_rs.save({"w0": _x()}, ckpt)
+        inode = ckpt.stat().st_ino
+        fastsafetensors_rs.save(small, ckpt)  # over it: tmpfs exchanges directories too
+        assert ckpt.stat().st_ino != inode and listing(mnt) == ["ckpt"]
         earlier = (ckpt / SINGLE).read_bytes()
         free = os.statvfs(mnt).f_bfree
         with pytest.raises(OSError) as info:
@@ -784,9 +907,31 @@ def test_max_memory_bounds_the_save_of_a_large_model(tmp_path):
 
 # ---------------------------------------------------------------- killed saves
 
-# A process that makes two versions of a ~525 MB checkpoint once, then, for each command, forks a
-# child that saves one of them (the fork spares each trial the import and the tensors). It never
-# saves itself, so no thread pool of the library exists when it forks.
+# A process that, for each command `save ARGS...`, forks a child that runs `child(*ARGS)` (the
+# fork spares each trial the import and the tensors, made once before) and says its pid; `wait
+# PID` reaps it and says its status. It never saves itself, so no thread pool of the library
+# exists when it forks.
+_FORK_SERVER = r"""
+print("ready", flush=True)
+for line in sys.stdin:
+    cmd, *args = line.split()
+    if cmd == "save":
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                child(*args)
+                code = 0
+            except BaseException as e:
+                print(f"child: {e!r}", file=sys.stderr, flush=True)
+            os._exit(code)
+        print(f"pid {pid}", flush=True)
+    elif cmd == "wait":
+        _, status = os.waitpid(int(args[0]), 0)
+        print(f"status {status}", flush=True)
+"""
+
+# Two versions of a ~525 MB checkpoint, each saved by a child of the fork server.
 _SAVER = r"""
 import os, sys, time
 import torch
@@ -803,34 +948,20 @@ def version(seed):
             for i in range(20)}
 
 versions = {1: version(1), 2: version(2)}
-print("ready", flush=True)
-for line in sys.stdin:
-    cmd, *args = line.split()
-    if cmd == "save":
-        seed, directory = int(args[0]), args[1]
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                F.save(versions[seed], directory, max_shard_size="110MB")
-                code = 0
-            except BaseException as e:
-                print(f"child: {e!r}", file=sys.stderr, flush=True)
-            os._exit(code)
-        print(f"pid {pid}", flush=True)
-    elif cmd == "wait":
-        _, status = os.waitpid(int(args[0]), 0)
-        print(f"status {status}", flush=True)
-"""
+
+def child(seed, directory):
+    F.save(versions[int(seed)], directory, max_shard_size="110MB")
+""" + _FORK_SERVER
 
 
 class Saver:
-    """Drives _SAVER: `save(seed, dir)` starts a save and returns its pid; `wait(pid)` reaps it
-    (until then the pid cannot be reused, so killing it is always safe)."""
+    """Drives _SAVER (or another fork server): `save(seed, dir)` starts a save and returns its
+    pid; `wait(pid)` reaps it (until then the pid cannot be reused, so killing it is always
+    safe)."""
 
-    def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, "-c", _SAVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, env=U.subprocess_env())
+    def __init__(self, script: str = _SAVER, env: dict | None = None):
+        self.proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, env=U.subprocess_env(env))
         self.buf = b""
         self.expect("ready", timeout=120)
 
@@ -949,28 +1080,24 @@ def test_a_killed_save_leaves_every_file_whole(tmp_path):
     print(f"20 trials of a {save_time:.2f} s save: {killed} killed mid-save, {changed} changed the checkpoint, "
           f"{mixed} of them left shards of both versions, {left_temps} left temporaries; {elapsed:.1f} s in all")
     assert killed >= 10, f"only {killed} of 20 trials were killed before the save finished"
+    assert mixed == 0, f"{mixed} kills left shards of both versions"
 
 
 # ---------------------------------------------------------------- the order that makes a save durable
 
 
-def test_every_file_is_synced_before_its_rename_and_the_index_is_renamed_last(tmp_path):
-    """What docs/save.md promises, seen in the system calls of a real save (strace): each
-    temporary file is fsynced before it is renamed to its name, the index is renamed after
-    every shard, and the directory is fsynced after the renames."""
+def _traced_save(tmp_path, code: str, *args) -> list:
+    """The fsyncs and renames of `code` run with `args` (strace), in the order they completed:
+    ("fsync", path), ("rename", source, target, call text)."""
     strace = shutil.which("strace")
     if strace is None:
         pytest.skip("strace is not installed: the order of the system calls cannot be observed")
-    d = tmp_path / "ckpt"
-    log = tmp_path / "strace.log"
-    code = ("import sys, torch, fastsafetensors_rs as F\n"
-            "F.save({f'w{i}': torch.full((50_000,), i, dtype=torch.uint8) for i in range(4)}, sys.argv[1],"
-            " max_shard_size=120_000)\n")
+    log = tmp_path / f"strace.{time.monotonic_ns()}.log"
     proc = subprocess.run([strace, "-f", "-y", "-qq", "-o", str(log), "-e", "trace=fsync,fdatasync,rename,renameat,renameat2",
-                           sys.executable, "-c", code, str(d)], capture_output=True, text=True, timeout=120,
+                           sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=120,
                           env=U.subprocess_env())
     assert proc.returncode == 0, proc.stderr
-    events = []  # ("fsync", path) or ("rename", source, target), in the order they completed
+    events = []
     pending = {}  # pid -> the call it started, where strace split it ("<unfinished ...>")
     for line in log.read_text().splitlines():
         pid, call = line.split(None, 1)
@@ -986,7 +1113,49 @@ def test_every_file_is_synced_before_its_rename_and_the_index_is_renamed_last(tm
             events.append(("fsync", m.group(1)))
         m = re.match(r"rename(?:at2?)?\((?:[^,\"]*, )?\"([^\"]+)\", (?:[^,\"]*, )?\"([^\"]+)\"", call)
         if m:
-            events.append(("rename", m.group(1), m.group(2)))
+            events.append(("rename", m.group(1), m.group(2), call))
+    return events
+
+
+_SAVE_FOUR = ("import sys, torch, fastsafetensors_rs as F\n"
+              "F.save({f'w{i}': torch.full((50_000,), i + int(sys.argv[2]), dtype=torch.uint8) for i in range(4)},"
+              " sys.argv[1], max_shard_size=120_000)\n")
+
+
+def test_every_file_is_synced_before_the_directory_is_exchanged_and_the_parent_synced_after(tmp_path):
+    """What docs/save.md promises, seen in the system calls of real saves (strace): the shards
+    and the index are written into a staging directory beside the checkpoint and each
+    fsynced, the staging directory is fsynced, then it is renamed to the checkpoint's name (a
+    new directory) or swapped with the checkpoint directory by one
+    renameat2(RENAME_EXCHANGE), and the parent is fsynced after that. No file is renamed into
+    the checkpoint directory one by one."""
+    d = tmp_path / "ckpt"
+    code = _SAVE_FOUR + "open(sys.argv[1] + '/config.json', 'w').write('{}')\n" + _SAVE_FOUR.split("\n", 1)[1]
+    events = _traced_save(tmp_path, code, d, 1)
+    commits = [e for e in events if e[0] == "rename" and e[2] == str(d)]
+    assert len(commits) == 2, events
+    assert "RENAME_EXCHANGE" not in commits[0][3] and "RENAME_EXCHANGE" in commits[1][3], commits
+    assert not [e for e in events if e[0] == "rename" and e not in commits], events
+    for commit in commits:
+        stage = commit[1]
+        assert Path(stage).parent == tmp_path and TEMP.match(Path(stage).name)["final"] == "ckpt", stage
+        at = events.index(commit)
+        synced = {e[1] for e in events[:at] if e[0] == "fsync"}
+        for name in ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", INDEX]:
+            assert f"{stage}/{name}" in synced, f"{name} not synced before the commit: {events}"
+        assert stage in synced, f"the staging directory is not synced before the commit: {events}"
+        assert ("fsync", str(tmp_path)) in events[at:], f"the parent is not synced after the commit: {events}"
+    assert listing(d) == ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", INDEX]
+    assert listing(tmp_path) == ["ckpt", *[n for n in listing(tmp_path) if n.startswith("strace")]]
+
+
+def test_in_place_commits_rename_each_file_synced_and_the_index_last(tmp_path):
+    """FASTSAFETENSORS_SAVE_COMMIT=in-place (and directories that cannot be replaced: a mount
+    point, the working directory): each file synced before it is renamed to its name, the
+    index renamed after every shard, the directory synced after the renames."""
+    d = tmp_path / "ckpt"
+    code = f"import os; os.environ['FASTSAFETENSORS_SAVE_COMMIT'] = 'in-place'\n{_SAVE_FOUR}"
+    events = _traced_save(tmp_path, code, d, 0)
     renames = [e for e in events if e[0] == "rename" and str(d) in e[2]]
     names = [Path(e[2]).name for e in renames]
     assert len(names) == 3 and names[-1] == INDEX and all(n.startswith("model-0000") for n in names[:-1]), events
@@ -995,3 +1164,339 @@ def test_every_file_is_synced_before_its_rename_and_the_index_is_renamed_last(tm
         assert synced and synced[0] < events.index(e), f"{e[1]} renamed before it was synced: {events}"
     last_rename = max(events.index(e) for e in renames)
     assert any(f == ("fsync", str(d)) for f in events[last_rename:]), f"the directory is not synced after the renames: {events}"
+
+
+# ---------------------------------------------------------------- a checkpoint is whole or not there
+
+# An LD_PRELOAD library that counts the calls that change files (writes, syncs, renames, links,
+# removals, creations) once armed, and kills its process with SIGKILL at the N-th: the state a
+# `kill -9` at that moment leaves, at a point chosen exactly rather than by a timer. Armed to
+# fail instead (`fst_fail`), the N-th call fails with the errno given, as a full disk or a
+# refused rename would.
+_CRASH_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+static long armed_at = -1; /* -1: off; 0: count only; N: SIGKILL (or fail) at the N-th call */
+static long calls = 0;
+static int fail_errno = 0;  /* 0: kill; else the N-th call fails with this errno */
+
+void fst_arm(long at) { __atomic_store_n(&calls, 0, __ATOMIC_SEQ_CST); fail_errno = 0; armed_at = at; }
+void fst_fail(long at, int err) { fst_arm(at); fail_errno = err; }
+long fst_calls(void) { return __atomic_load_n(&calls, __ATOMIC_SEQ_CST); }
+
+/* Whether this call fails (it kills instead where armed to). */
+static int tick(void) {
+    if (armed_at < 0) return 0;
+    long n = __atomic_add_fetch(&calls, 1, __ATOMIC_SEQ_CST);
+    if (armed_at > 0 && n == armed_at && fail_errno) { errno = fail_errno; return 1; }
+    if (armed_at > 0 && n >= armed_at && !fail_errno) { kill(getpid(), SIGKILL); for (;;) pause(); }
+    return 0;
+}
+
+#define REAL(ret, name, args) static ret (*real) args; if (!real) real = (ret (*) args) dlsym(RTLD_NEXT, #name)
+#define WRAP(ret, name, params, args, types)                                   \
+    ret name params { if (tick()) return -1; REAL(ret, name, types); return real args; }
+
+WRAP(ssize_t, pwrite, (int fd, const void *b, size_t n, off_t o), (fd, b, n, o), (int, const void *, size_t, off_t))
+WRAP(ssize_t, pwrite64, (int fd, const void *b, size_t n, off_t o), (fd, b, n, o), (int, const void *, size_t, off_t))
+WRAP(int, fsync, (int fd), (fd), (int))
+WRAP(int, fdatasync, (int fd), (fd), (int))
+WRAP(int, fallocate, (int fd, int m, off_t o, off_t l), (fd, m, o, l), (int, int, off_t, off_t))
+WRAP(int, fallocate64, (int fd, int m, off_t o, off_t l), (fd, m, o, l), (int, int, off_t, off_t))
+WRAP(int, ftruncate, (int fd, off_t l), (fd, l), (int, off_t))
+WRAP(int, ftruncate64, (int fd, off_t l), (fd, l), (int, off_t))
+WRAP(int, rename, (const char *a, const char *b), (a, b), (const char *, const char *))
+WRAP(int, renameat, (int fa, const char *a, int fb, const char *b), (fa, a, fb, b), (int, const char *, int, const char *))
+WRAP(int, renameat2, (int fa, const char *a, int fb, const char *b, unsigned f), (fa, a, fb, b, f),
+     (int, const char *, int, const char *, unsigned))
+WRAP(int, link, (const char *a, const char *b), (a, b), (const char *, const char *))
+WRAP(int, linkat, (int fa, const char *a, int fb, const char *b, int f), (fa, a, fb, b, f),
+     (int, const char *, int, const char *, int))
+WRAP(int, unlink, (const char *p), (p), (const char *))
+WRAP(int, unlinkat, (int fd, const char *p, int f), (fd, p, f), (int, const char *, int))
+WRAP(int, rmdir, (const char *p), (p), (const char *))
+WRAP(int, mkdir, (const char *p, mode_t m), (p, m), (const char *, mode_t))
+WRAP(int, mkdirat, (int fd, const char *p, mode_t m), (fd, p, m), (int, const char *, mode_t))
+WRAP(int, chmod, (const char *p, mode_t m), (p, m), (const char *, mode_t))
+WRAP(int, utimensat, (int fd, const char *p, const struct timespec t[2], int f), (fd, p, t, f),
+     (int, const char *, const struct timespec *, int))
+
+#define OPEN_LIKE(name)                                                        \
+int name(const char *path, int flags, ...) {                                   \
+    mode_t mode = 0;                                                           \
+    if (flags & (O_CREAT | O_TMPFILE)) {                                       \
+        va_list ap; va_start(ap, flags); mode = va_arg(ap, mode_t); va_end(ap);  \
+        if (tick()) return -1;                                                 \
+    }                                                                          \
+    REAL(int, name, (const char *, int, ...));                                 \
+    return real(path, flags, mode);                                            \
+}
+#define OPENAT_LIKE(name)                                                      \
+int name(int dirfd, const char *path, int flags, ...) {                        \
+    mode_t mode = 0;                                                           \
+    if (flags & (O_CREAT | O_TMPFILE)) {                                       \
+        va_list ap; va_start(ap, flags); mode = va_arg(ap, mode_t); va_end(ap);  \
+        if (tick()) return -1;                                                 \
+    }                                                                          \
+    REAL(int, name, (int, const char *, int, ...));                            \
+    return real(dirfd, path, flags, mode);                                     \
+}
+OPEN_LIKE(open)
+OPEN_LIKE(open64)
+OPENAT_LIKE(openat)
+OPENAT_LIKE(openat64)
+"""
+
+
+@pytest.fixture(scope="session")
+def crash_shim(tmp_path_factory):
+    d = tmp_path_factory.mktemp("crash_shim")
+    (d / "crash.c").write_text(_CRASH_SHIM)
+    so = d / "crash.so"
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        pytest.skip(f"no C compiler ({cc}) to build the crash shim")
+    proc = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(so), str(d / "crash.c"), "-ldl"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, f"building the crash shim failed:\n{proc.stderr}"
+    return so
+
+
+# Four versions of a ~1 MB checkpoint of the same tensor names: "a5" and "b5" in 5 shards of the
+# same layout, "c3" in 3 shards, "s1" as model.safetensors alone.
+_VERSIONS = r"""
+import torch
+SPECS = [(f"model.layers.{i}.{w}", dt, shape) for i in range(4)
+         for w, dt, shape in (("q.weight", torch.bfloat16, (128, 160)), ("norm.weight", torch.float32, (1000,)),
+                              ("up.weight", torch.float16, (96, 200)))]
+LIMITS = {"a5": 240_000, "b5": 240_000, "c3": 400_000, "s1": 10**9}
+SEEDS = {"a5": 1, "b5": 2, "c3": 3, "s1": 4}
+
+def version(name):
+    gen = torch.Generator().manual_seed(SEEDS[name])
+    return {k: torch.randint(0, 256, (torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size(),),
+                             dtype=torch.uint8, generator=gen).view(dt).view(shape) for k, dt, shape in SPECS}
+"""
+
+# Every version, each saved by a child of the fork server that arms the crash shim first (at 0:
+# count only, and write the count to `count_file`).
+_CRASHER = _VERSIONS + r"""
+import ctypes, os, sys
+torch.set_num_threads(1)
+import fastsafetensors_rs as F
+shim = ctypes.CDLL(None)
+shim.fst_arm.argtypes = [ctypes.c_long]
+shim.fst_fail.argtypes = [ctypes.c_long, ctypes.c_int]
+shim.fst_calls.restype = ctypes.c_long
+versions = {name: version(name) for name in LIMITS}
+
+def child(name, directory, at, count_file, fail_errno="0"):
+    error = None
+    if int(fail_errno):
+        shim.fst_fail(int(at), int(fail_errno))
+    else:
+        shim.fst_arm(int(at))
+    try:
+        F.save(versions[name], directory, max_shard_size=LIMITS[name])
+    except Exception as e:
+        error = e
+    calls = shim.fst_calls()
+    shim.fst_arm(-1)
+    with open(count_file, "w") as f:
+        f.write(str(calls) if error is None else f"error {type(error).__name__}: {error}")
+""" + _FORK_SERVER
+
+
+def _versions() -> dict:
+    scope: dict = {}
+    exec(_VERSIONS, scope)
+    return {name: scope["version"](name) for name in scope["LIMITS"]}
+
+
+def _same(a, b) -> bool:
+    return (isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys()
+            and all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+                    and torch.equal(U.as_bytes(a[k]), U.as_bytes(b[k])) for k in a))
+
+
+def _read_glob(d: Path):
+    """vLLM's iterator without an index: every *.safetensors of the directory."""
+    out: dict = {}
+    for path in sorted(d.glob("*.safetensors")):
+        for k, v in st_load_file(str(path)).items():
+            if k in out:
+                return f"{k} in two files"
+            out[k] = v
+    return out if d.is_dir() else None
+
+
+def _read_index(d: Path, single_first: bool):
+    """safetensors through the index (single_first: as transformers resolves, model.safetensors
+    before the index)."""
+    if not d.is_dir():
+        return None
+    if (d / SINGLE).exists() and (single_first or not (d / INDEX).exists()):
+        return st_load_file(str(d / SINGLE))
+    weight_map = json.loads((d / INDEX).read_text())["weight_map"]
+    out = {}
+    for shard in sorted(set(weight_map.values())):
+        out.update(st_load_file(str(d / shard)))
+    return out if set(out) == set(weight_map) else "the index and its shards differ"
+
+
+def _read_ours(d: Path):
+    return fastsafetensors_rs.load(d) if d.is_dir() else None
+
+
+READERS_OF_A_DIRECTORY = {"load": _read_ours, "index": lambda d: _read_index(d, False),
+                          "transformers' order": lambda d: _read_index(d, True), "glob": _read_glob}
+
+
+def _others(d: Path) -> dict:
+    """The directory's entries other than the checkpoint's files and hidden temporaries: path ->
+    (kind, contents or link target, inode of a file)."""
+    out = {}
+    if not d.is_dir():
+        return out
+    for root, dirs, files in os.walk(d):
+        for name in dirs + files:
+            p = Path(root) / name
+            rel = str(p.relative_to(d))
+            if root == str(d) and (re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?", name)
+                                   or name == INDEX or TEMP.match(name)):
+                continue
+            st = p.lstat()
+            if p.is_symlink():
+                out[rel] = ("link", os.readlink(p), None)
+            elif p.is_dir():
+                out[rel] = ("dir", oct(st.st_mode), None)
+            else:
+                out[rel] = ("file", p.read_bytes(), st.st_ino)
+    return out
+
+
+class Crasher(Saver):
+    """Drives _CRASHER (LD_PRELOAD'ed with the crash shim): `save(version, dir, at)` saves with
+    the process killed at the at-th call that changes a file (0: never; returns the count)."""
+
+    def __init__(self, shim: Path, tmp: Path):
+        super().__init__(_CRASHER, {"LD_PRELOAD": str(shim)})
+        self.count_file = tmp / "calls"
+
+    def save(self, version: str, d: Path, at: int, fail_errno: int = 0) -> int | str | None:
+        """The number of calls of a save that completed, None where it was killed, or its error
+        (`fail_errno`: the at-th call fails with it instead of killing)."""
+        self.count_file.unlink(missing_ok=True)
+        self.send(f"save {version} {d} {at} {self.count_file} {fail_errno}")
+        status = self.wait(int(self.expect("pid").split()[1]))
+        if os.WIFSIGNALED(status):
+            assert os.WTERMSIG(status) == signal.SIGKILL and at > 0, f"status {status:#x}"
+            return None
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the save's process failed: status {status:#x}"
+        done = self.count_file.read_text()
+        return done if done.startswith("error") else int(done)
+
+
+# (scenario, the two versions it saves one over the other; None: into a new directory)
+CRASH_SCENARIOS = {"same-layout": ("a5", "b5"), "other-shard-count": ("a5", "c3"),
+                   "over-model.safetensors": ("s1", "c3"), "new-directory": (None, "a5")}
+
+
+def _interrupted_saves(tmp_path: Path, crash_shim: Path, scenario: str, fail_errno: int = 0) -> collections.Counter:
+    """20 saves of `scenario`, each killed (or, with `fail_errno`, failed) at a random one of its
+    calls that change a file, each followed by the checks the tests below state. Returns how
+    many ended with the new checkpoint in place, by whether the save was interrupted."""
+    first, second = CRASH_SCENARIOS[scenario]
+    versions = _versions()
+    parent = tmp_path / "models"
+    parent.mkdir()
+    d = parent / "ckpt"
+    crasher = Crasher(crash_shim, tmp_path)
+    outcomes: collections.Counter = collections.Counter()
+    try:
+        counts = {}
+        if first is not None:
+            d.mkdir()
+            (d / "config.json").write_text('{"model_type": "llama"}')
+            (d / "tokenizer.json").write_bytes(os.urandom(3000))
+            (d / "original").mkdir()
+            (d / "original" / "params.json").write_text("{}")
+            os.symlink("config.json", d / "latest.json")
+            os.chmod(d, 0o750)
+            assert crasher.save(first, d, 0)
+            counts[first, second] = crasher.save(second, d, 0)
+            counts[second, first] = crasher.save(first, d, 0)
+        else:
+            counts[None, second] = crasher.save(second, d, 0)
+        others, mode = _others(d), (d.stat().st_mode if d.exists() else None)
+        rng = random.Random(f"{scenario}-{fail_errno}-20")
+        current = first
+        for trial in range(20):
+            if first is None:
+                shutil.rmtree(d, ignore_errors=True)
+                current = None
+            target = second if current == first else first
+            count = counts[current, target]
+            at = rng.randint(1, count)
+            done = crasher.save(target, d, at, fail_errno)
+            how = f"trial {trial} ({current} -> {target}, {'failed' if fail_errno else 'killed'} at call {at} of {count})"
+            states = {}
+            for reader, read in READERS_OF_A_DIRECTORY.items():
+                got = read(d)
+                state = [v for v in (current, target) if (got is None if v is None else _same(got, versions[v]))]
+                assert state, f"{how}: {reader} read neither version: {sorted(got) if isinstance(got, dict) else got}"
+                states[reader] = state[0]
+            assert len(set(states.values())) == 1, f"{how}: the readers disagree: {states}"
+            assert not isinstance(done, int) or states["load"] == target, f"{how}: the save returned, yet {states}"
+            if isinstance(done, str):  # a failed save says why in one line, naming a path
+                assert "\n" not in done and str(parent) in done, f"{how}: {done}"
+            assert _others(d) == others, f"{how}: the directory's other entries changed"
+            if d.exists() and mode is not None:
+                assert d.stat().st_mode == mode
+            left = [n for n in os.listdir(parent) if n != "ckpt"]
+            assert all(TEMP.match(n) and TEMP.match(n)["final"] == "ckpt" for n in left), left
+            outcomes[(states["load"] == target, not isinstance(done, int))] += 1
+            current = states["load"]
+        # A last save, not interrupted: it completes, and nothing an interrupted one left remains.
+        target = second if current == first else first
+        assert crasher.save(target, d, 0)
+        assert os.listdir(parent) == ["ckpt"]
+        assert not [n for n in os.listdir(d) if n.startswith(".")]
+        assert _others(d) == others and _same(_read_ours(d), versions[target])
+    finally:
+        crasher.close()
+    print(f"{scenario}: {dict(counts)} calls; (new checkpoint, interrupted): {dict(outcomes)}")
+    return outcomes
+
+
+@pytest.mark.parametrize("scenario", list(CRASH_SCENARIOS))
+def test_a_save_killed_at_any_point_leaves_the_old_checkpoint_or_the_new_one(tmp_path, crash_shim, scenario):
+    """kill -9 (SIGKILL from the crash shim) before the N-th call that changes a file, at 20
+    random N over the whole save, of a save over an existing checkpoint of the same layout, of
+    another shard count, over model.safetensors, or into a new directory: every time, our
+    load(dir), safetensors through the index, transformers' order (model.safetensors, then the
+    index) and a glob of dir/*.safetensors (vLLM without an index) each read exactly the old
+    checkpoint or exactly the new one, and the directory's other entries (files, a link, a
+    subdirectory) are untouched. The next save removes what a killed one left."""
+    outcomes = _interrupted_saves(tmp_path, crash_shim, scenario)
+    # Kills before the commit and (but for a new directory, where one fsync follows it) after.
+    new_directory = CRASH_SCENARIOS[scenario][0] is None
+    assert outcomes[(False, True)] >= 3 and (new_directory or outcomes[(True, True)] >= 1), outcomes
+
+
+@pytest.mark.parametrize("scenario", ["same-layout", "over-model.safetensors"])
+def test_a_save_failing_at_any_point_leaves_the_old_checkpoint_or_the_new_one(tmp_path, crash_shim, scenario):
+    """The same, with the N-th call failing (EIO) instead: a write, a sync, a link, the rename
+    refused. The save raises one line naming a path (or completes, where the call was one it
+    does without), and the directory reads as the old checkpoint or the new one."""
+    outcomes = _interrupted_saves(tmp_path, crash_shim, scenario, errno.EIO)
+    assert outcomes[(False, True)] >= 3, outcomes

@@ -21,7 +21,7 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence
 import torch
 
 from .._errors import mapped_errors
-from .._ops import ops
+from ..saving import SAVABLE, _group_size, group_save
 from .tensor import TensorBase
 from .types import DType
 
@@ -60,6 +60,8 @@ def plain_entry(name: str, tensor: Any, *, framework: str = "pytorch") -> WriteE
     if framework != "pytorch":
         raise ValueError(f"framework={framework!r}: only 'pytorch' is supported")
     t = _tensor(tensor, name)
+    if t.dtype not in SAVABLE:
+        raise ValueError(f"tensor '{name}' cannot be saved: safetensors has no dtype for {t.dtype}")
     shape = list(t.shape)
     if t.dtype == torch.float4_e2m1fn_x2 and shape:
         shape[-1] *= 2  # safetensors counts float4 values, torch pairs of them
@@ -83,9 +85,37 @@ def _strings(given: Optional[Mapping[str, str]]) -> dict:
 def save_sharded(entries: Sequence[WriteEntry], base: str, *, num_shards: int = 16, fill: Any = None,
                  framework: str = "pytorch", min_free_bytes: int = 0, fsync: bool = False,
                  metadata: Optional[Mapping[str, str]] = None, shard0_metadata: Optional[Mapping[str, str]] = None,
-                 shard_metadata: Optional[ShardMetadataFn] = None, header_align: int = 8) -> List[str]:
-    """Writes `entries` as `{base}-0000i-of-0000N.safetensors`; returns the paths."""
+                 shard_metadata: Optional[ShardMetadataFn] = None, header_align: int = 8,
+                 pg: Any = None) -> List[str]:
+    """Writes `entries` as `{base}-0000i-of-0000N.safetensors`; returns the paths. Every shard
+    is written and synced before any is renamed into place: a tensor refused, a full disk or a
+    failed write leaves none of them.
+
+    `pg` (an extension of IBM's API): a torch.distributed group whose ranks all make this call
+    with the same entries (replicated tensors): each rank writes its share of the shards'
+    bytes, and the shards are renamed into place by rank 0 once every rank's are durable (see
+    `fastsafetensors_rs.save`)."""
     del fsync  # every file is synced before it is renamed into place
+    group = pg if pg is not None and _group_size(pg) > 1 else None
+    set_id = _shared_set_id(group)
+    tensors: Mapping[str, Any] = {}
+    files: List[dict] = []
+    try:
+        tensors, files = _layout(entries, base, num_shards, fill, framework, min_free_bytes, metadata, shard0_metadata,
+                                 shard_metadata, header_align, set_id)
+    except Exception as e:
+        if group is None:
+            raise
+        # Failed on this rank: the group's first step raises it here and names it on the others.
+        group_save({}, "", -1, None, None, group, files=[], failed=e)
+    group_save(tensors, "", -1, None, None, group, files=files)
+    return shard_paths(base, num_shards)
+
+
+def _layout(entries: Sequence[WriteEntry], base: str, num_shards: int, fill: Any, framework: str,
+            min_free_bytes: int, metadata: Optional[Mapping[str, str]], shard0_metadata: Optional[Mapping[str, str]],
+            shard_metadata: Optional[ShardMetadataFn], header_align: int, set_id: str):
+    """The tensors by name and IBM's files (each its tensors and metadata), checked."""
     if fill is not None:
         raise NotImplementedError("save_sharded(fill=...): a custom fill is not supported; entries' sources "
                                   "(torch tensors) are written as they are")
@@ -99,6 +129,7 @@ def save_sharded(entries: Sequence[WriteEntry], base: str, *, num_shards: int = 
         if e.name in names or e.name == "__metadata__":
             raise ValueError(f"duplicate or reserved tensor name: {e.name}")
         names.add(e.name)
+    tensors = {e.name: _tensor(e.source, e.name) for e in entries}
     common, first = _strings(metadata), _strings(shard0_metadata)
     # IBM's balance: largest first, each into the emptiest shard.
     members: List[List[WriteEntry]] = [[] for _ in paths]
@@ -112,9 +143,8 @@ def save_sharded(entries: Sequence[WriteEntry], base: str, *, num_shards: int = 
     free = shutil.disk_usage(directory).free
     if free < sum(loads) + min_free_bytes:
         raise OSError(f"not enough space in {directory}: {sum(loads) / 2**30:.1f} GiB needed, {free / 2**30:.1f} GiB free")
-    set_id = uuid.uuid4().hex
-    shard_md = []
-    for i, shard in enumerate(members):
+    files = []
+    for i, (path, shard) in enumerate(zip(paths, members)):
         md = dict(common, **(first if i == 0 else {}))
         md.update({KEY_SHARD_INDEX: str(i), KEY_SHARD_COUNT: str(num_shards), KEY_SHARD_SET: set_id})
         if shard_metadata is not None:
@@ -123,26 +153,37 @@ def save_sharded(entries: Sequence[WriteEntry], base: str, *, num_shards: int = 
             if reserved:
                 raise ValueError(f"shard metadata key is reserved: {reserved.pop()}")
             md.update(extra)
-        shard_md.append(md)
-    for path, shard, md in zip(paths, members, shard_md):
-        ops.save([e.name for e in shard], [_tensor(e.source, e.name) for e in shard], path, -1, list(md),
-                 list(md.values()), "")
-    return paths
+        files.append({"path": os.path.abspath(path), "tensors": [e.name for e in shard], "metadata": md})
+    return tensors, files
+
+
+def _shared_set_id(pg: Any) -> str:
+    """A new shard-set id, rank 0's on every rank of `pg`."""
+    set_id = uuid.uuid4().hex
+    if pg is not None:
+        import torch.distributed as dist
+
+        box = [set_id]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
+        set_id = box[0]
+    return set_id
 
 
 class ParallelSaver:
     """Settings for repeated `save_sharded` calls, as IBM's `ParallelSaver` (`num_threads` is
-    accepted: the writers are the loader's I/O threads, `FASTSAFETENSORS_THREADS`)."""
+    accepted: the writers are the loader's I/O threads, `FASTSAFETENSORS_THREADS`; `pg`, an
+    extension, saves from every rank of a process group as `save_sharded(..., pg=)` does)."""
 
     def __init__(self, *, num_shards: int = 16, framework: str = "pytorch", num_threads: int = 8,
                  shard_metadata: Optional[ShardMetadataFn] = None, fill: Any = None, min_free_bytes: int = 0,
-                 fsync: bool = False) -> None:
+                 fsync: bool = False, pg: Any = None) -> None:
         if num_shards < 1:
             raise ValueError("num_shards must be positive")
         if num_threads < 1:
             raise ValueError("num_threads must be positive")
         self.num_shards, self.framework, self.num_threads = num_shards, framework, num_threads
         self.shard_metadata, self.fill, self.min_free_bytes, self.fsync = shard_metadata, fill, min_free_bytes, fsync
+        self.pg = pg
 
     def save(self, tensors: Mapping[str, Any], base: str, *, metadata: Optional[Mapping[str, str]] = None,
              shard0_metadata: Optional[Mapping[str, str]] = None, header_align: int = 8) -> List[str]:
@@ -155,4 +196,4 @@ class ParallelSaver:
         return save_sharded(entries, base, num_shards=self.num_shards, fill=self.fill, framework=self.framework,
                             min_free_bytes=self.min_free_bytes, fsync=self.fsync, metadata=metadata,
                             shard0_metadata=shard0_metadata, shard_metadata=self.shard_metadata,
-                            header_align=header_align)
+                            header_align=header_align, pg=self.pg)
