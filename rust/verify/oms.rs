@@ -4,7 +4,8 @@
 //! [`read_signature`] reads what the Python package `model_signing` writes with `model_signing
 //! sign key` and `sign certificate` (and its `signing.Config` API), from release 0.2 to 1.1,
 //! checks it offline the way `model_signing verify key` / `verify certificate` (1.1.1) do, and
-//! returns the files it lists. The bundle is JSON (media type
+//! returns the files it lists; and what `model_signing sign` (sigstore, its default) writes,
+//! checked as `verify sigstore` does, offline (`oms/keyless.rs`). The bundle is JSON (media type
 //! `application/vnd.dev.sigstore.bundle.v0.3+json`); its `dsseEnvelope` holds a base64 in-toto
 //! statement (payload type `application/vnd.in-toto+json`) and the ECDSA signature of its DSSE
 //! pre-authentication encoding. The statement (predicate `https://model_signing/signature/v1.0`)
@@ -50,7 +51,8 @@
 //!   shards that do not tile their file from byte 0 in `shard_size` pieces, blake3 shards
 //!   (model_signing hashes blake3 manifests by file), `.` beside other names. A name listed
 //!   twice with two digests is refused (model_signing keeps the last one).
-//! - Keyless (sigstore) bundles are not verified here: see [`Trust::Sigstore`].
+//! - Keyless (Sigstore) bundles are read and verified by `oms/keyless.rs`, as sigstore-python
+//!   verifies them for `model_signing verify sigstore`, offline (see [`Trust::Sigstore`]).
 //! - Key, certificate and signature files are read only if they are regular files of at most
 //!   1 MiB (64 MiB for a signature), opened without waiting (a FIFO is refused, not read).
 //!
