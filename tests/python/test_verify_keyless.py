@@ -176,6 +176,23 @@ def test_what_a_keyless_signature_takes():
         from_config({"signature": "m.sig", "identity": IDENTITY, "issuer": ISSUER, "identity_provider": ISSUER})
 
 
+def test_the_vllm_config_and_its_weights_iterator_take_it(model):
+    """The vLLM plugin's extra config, in model_signing's names, then the iterator it loads with:
+    every tensor out of the signed file; none once the identity is another."""
+    from fastsafetensors_rs import vllm_plugin
+
+    config = {"signature": str(DATA / "good.sig"), "identity": IDENTITY, "identity_provider": ISSUER,
+              "trust_config": str(ROOT)}
+    opts = vllm_plugin.parse_options({"verify": config})
+    files = [str(model / "model.safetensors")]
+    assert [n for n, _ in fst.weights_iterator(files, verify=opts["verify"])] == ["w"]
+    opts = vllm_plugin.parse_options({"verify": {**config, "identity": "someone@example.com"}})
+    with pytest.raises(SafetensorError, match="identity is signer@example.com, not someone@example.com"):
+        list(fst.weights_iterator(files, verify=opts["verify"]))
+    with pytest.raises(ValueError, match=r"model_loader_extra_config\['verify'\].*takes both identity="):
+        vllm_plugin.parse_options({"verify": {"signature": "m.sig", "identity": IDENTITY, "trusted_root": str(ROOT)}})
+
+
 # ------------------------------------------------------------------------- model_signing's own signatures
 
 REFERENCE = os.environ.get("FST_MODEL_TRANSPARENCY_TESTS")
