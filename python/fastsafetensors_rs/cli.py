@@ -36,7 +36,7 @@ from ._dtypes import DTYPES, nbytes, numel
 from ._logging import enable_logging, redact
 from ._ops import ops
 from .progress import ByteProgress, progress, progress_enabled
-from .verify import Digests, Signature
+from .verify import Digests, Signature, default_trusted_root
 from .verify import spec as verify_spec
 
 logger = logging.getLogger("fastsafetensors_rs")
@@ -218,15 +218,23 @@ def _signed(args: argparse.Namespace) -> Optional[Any]:
                 return Digests(json.load(f))
         except (OSError, ValueError, TypeError) as e:
             raise UsageError(f"--digests {args.digests}: {e}") from None
+    keyless = (args.identity, args.issuer, args.trusted_root, args.use_staging or None)
     if args.signature is None:
-        if args.public_key or args.certificate_chain:
-            raise UsageError("--public-key and --certificate-chain go with --signature")
+        if args.public_key or args.certificate_chain or any(k is not None for k in keyless):
+            raise UsageError("--public-key, --certificate-chain, --identity, --identity-provider, --trusted-root and "
+                             "--use-staging go with --signature")
         if args.ignore_paths or args.allow_symlinks:
             raise UsageError("--ignore-paths and --allow-symlinks go with --signature or --digests")
         return None
     try:
-        return Signature(args.signature, public_key=args.public_key,
-                         certificate_chain=args.certificate_chain or None, allow_symlinks=args.allow_symlinks)
+        trusted_root = args.trusted_root
+        if args.use_staging:
+            if trusted_root is not None:
+                raise UsageError("give --trusted-root or --use-staging, not both")
+            trusted_root = default_trusted_root(staging=True)
+        return Signature(args.signature, public_key=args.public_key, certificate_chain=args.certificate_chain or None,
+                         identity=args.identity, issuer=args.issuer, trusted_root=trusted_root,
+                         allow_symlinks=args.allow_symlinks)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -596,6 +604,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--certificate-chain", "--certificate_chain", dest="certificate_chain", action="append",
                    metavar="PEM", help="a PEM file of the signer's chain, up to its root (model_signing sign "
                                        "certificate); repeat for each")
+    p.add_argument("--identity", help="a keyless (Sigstore) signature's signer: the email or URI of its certificate "
+                                      "(model_signing verify sigstore)")
+    p.add_argument("--identity-provider", "--identity_provider", "--issuer", dest="issuer", metavar="URL",
+                   help="the OIDC issuer that vouched for --identity (e.g. https://accounts.google.com)")
+    p.add_argument("--trusted-root", "--trusted_root", "--trust-config", "--trust_config", dest="trusted_root",
+                   metavar="FILE", help="the Sigstore trusted root (trusted_root.json, or a client trust "
+                                        "configuration) for --identity; default: the production one the installed "
+                                        "sigstore package ships. Nothing is fetched")
+    p.add_argument("--use-staging", "--use_staging", dest="use_staging", action="store_true",
+                   help="with --identity: Sigstore's staging trusted root, as the sigstore package ships it")
     p.add_argument("--digests", help="a JSON file of {file name: 'sha256:<hex>'}")
     p.add_argument("--ignore-paths", "--ignore_paths", dest="ignore_paths", action="append", metavar="PATH",
                    default=[], help="a file or folder of the model not to report when unsigned (beside those the "

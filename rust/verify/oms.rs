@@ -4,7 +4,8 @@
 //! [`read_signature`] reads what the Python package `model_signing` writes with `model_signing
 //! sign key` and `sign certificate` (and its `signing.Config` API), from release 0.2 to 1.1,
 //! checks it offline the way `model_signing verify key` / `verify certificate` (1.1.1) do, and
-//! returns the files it lists. The bundle is JSON (media type
+//! returns the files it lists; and what `model_signing sign` (sigstore, its default) writes,
+//! checked as `verify sigstore` does, offline (`oms/keyless.rs`). The bundle is JSON (media type
 //! `application/vnd.dev.sigstore.bundle.v0.3+json`); its `dsseEnvelope` holds a base64 in-toto
 //! statement (payload type `application/vnd.in-toto+json`) and the ECDSA signature of its DSSE
 //! pre-authentication encoding. The statement (predicate `https://model_signing/signature/v1.0`)
@@ -50,13 +51,15 @@
 //!   shards that do not tile their file from byte 0 in `shard_size` pieces, blake3 shards
 //!   (model_signing hashes blake3 manifests by file), `.` beside other names. A name listed
 //!   twice with two digests is refused (model_signing keeps the last one).
-//! - Keyless (sigstore) bundles are not verified here: see [`Trust::Sigstore`].
+//! - Keyless (Sigstore) bundles are read and verified by `oms/keyless.rs`, as sigstore-python
+//!   verifies them for `model_signing verify sigstore`, offline (see [`Trust::Sigstore`]).
 //! - Key, certificate and signature files are read only if they are regular files of at most
 //!   1 MiB (64 MiB for a signature), opened without waiting (a FIFO is refused, not read).
 //!
 //! In shard manifests an empty file is listed nowhere: model_signing makes no shard for it.
 
 mod chain;
+mod keyless;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -78,9 +81,9 @@ pub enum Trust {
     PublicKey(PathBuf),
     /// PEM certificates: the signing certificate's issuers up to a root (`sign certificate`).
     CertificateChain(Vec<PathBuf>),
-    /// A sigstore (keyless) bundle checked offline against a trusted root and the expected
-    /// signer identity and OIDC issuer. Not verified here: [`read_signature`] refuses it
-    /// (`model_signing verify sigstore` checks it, online).
+    /// A Sigstore (keyless) bundle (`model_signing sign sigstore`), checked offline against a
+    /// Sigstore trusted root (`trusted_root.json`, or a client trust configuration holding one)
+    /// and the signer's identity and OIDC issuer (`oms/keyless.rs` says how).
     Sigstore { trusted_root: PathBuf, identity: String, issuer: String },
 }
 
@@ -117,8 +120,7 @@ const PAYLOAD_TYPE: &str = "application/vnd.in-toto+json";
 const STATEMENT_TYPE: &str = "https://in-toto.io/Statement/v1";
 const PREDICATE_TYPE: &str = "https://model_signing/signature/v1.0";
 const PREDICATE_TYPE_V01: &str = "https://model_signing/Digests/v0.1";
-const KEYLESS: &str =
-    "keyless sigstore bundles are not verified offline here: verify them with `model_signing verify sigstore`";
+const KEYLESS: &str = "verify it with the signer's identity and OIDC issuer (identity=, issuer=)";
 
 /// Why a signature is refused, before it is given the signature's name.
 #[derive(Debug)]
@@ -218,8 +220,15 @@ struct EnvelopeSignature {
 }
 
 fn read(bundle: &[u8], trust: &Trust) -> Check<Statement> {
-    if let Trust::Sigstore { .. } = trust {
-        return unsupported(KEYLESS);
+    if let Trust::Sigstore { trusted_root, identity, issuer } = trust {
+        let signed = keyless::verify(bundle, trusted_root, identity, issuer)?;
+        if signed.payload_type != PAYLOAD_TYPE {
+            return unsupported(format!(
+                "the DSSE payload type is '{}', not the in-toto statement ({PAYLOAD_TYPE}) of model_signing",
+                signed.payload_type
+            ));
+        }
+        return statement_of(&signed.payload);
     }
     let bundle: Value =
         serde_json::from_slice(bundle).map_err(|e| Fail::Invalid(format!("not a sigstore bundle: {e}")))?;
@@ -272,9 +281,7 @@ fn read(bundle: &[u8], trust: &Trust) -> Check<Statement> {
         Trust::PublicKey(path) => key_signer(path, &material)?,
         Trust::CertificateChain(paths) => {
             if material.certificate.is_some() {
-                return unsupported(format!(
-                    "the bundle carries a single certificate, as keyless sigstore bundles do: {KEYLESS}"
-                ));
+                return invalid(format!("the bundle is a keyless (Sigstore) one: {KEYLESS}"));
             }
             if material.x509_certificate_chain.is_none() {
                 return invalid(
@@ -283,7 +290,8 @@ fn read(bundle: &[u8], trust: &Trust) -> Check<Statement> {
             }
             certificate_signer(paths, &certificates)?
         }
-        Trust::Sigstore { .. } => return unsupported(KEYLESS),
+        // Read above.
+        Trust::Sigstore { .. } => return invalid(format!("the bundle is a keyless (Sigstore) one: {KEYLESS}")),
     };
     // model_signing checks the first signature only.
     let Some(signature) = signatures.first() else {
@@ -480,6 +488,9 @@ fn key_signer(path: &Path, material: &VerificationMaterial) -> Check<Signer> {
     };
     let signer = Signer::of(&spki, what.clone(), false)?;
     let Some(identifier) = &material.public_key else {
+        if material.certificate.is_some() {
+            return invalid(format!("the bundle is a keyless (Sigstore) one, not signed with a key: {KEYLESS}"));
+        }
         return invalid("the bundle carries a certificate, not a public key: verify it with its certificate chain");
     };
     // An empty or missing hint is accepted (model_signing warns that the format is older).
@@ -1082,12 +1093,6 @@ mod tests {
     fn what_is_not_verified_here_says_so() {
         // model_signing verifies P-521 signatures; ring has no P-521.
         assert_refused(read("key521.sig", &key("key521.pub")), "unsupported: key521.pub is a P-521 key", "P-521");
-        let keyless = Trust::Sigstore { trusted_root: data("root.pem"), identity: "me".into(), issuer: "i".into() };
-        assert_refused(
-            read("key.sig", &keyless),
-            "unsupported: keyless sigstore bundles are not verified offline",
-            "keyless",
-        );
         // No certificates: model_signing would trust certifi's web roots.
         assert_refused(read("cert.sig", &Trust::CertificateChain(vec![])), "unsupported: no certificates", "no roots");
     }
@@ -1232,7 +1237,7 @@ mod tests {
                 // model_signing's key verifier reads `public_key.hint` of None.
                 "a single certificate, as keyless bundles carry",
                 edited("key.sig", |b| b["verificationMaterial"] = json!({"certificate": {"rawBytes": "MA=="}})),
-                "invalid: the bundle carries a certificate, not a public key",
+                "invalid: the bundle is a keyless (Sigstore) one, not signed with a key",
             ),
         ];
         for (case, bundle, want) in cases {
@@ -1287,7 +1292,7 @@ mod tests {
         let single = edited("cert.sig", |b| b["verificationMaterial"] = json!({"certificate": {"rawBytes": "MA=="}}));
         assert_refused(
             read_signature(&single, "c.sig", &roots),
-            "unsupported: the bundle carries a single certificate, as keyless sigstore bundles do",
+            "invalid: the bundle is a keyless (Sigstore) one: verify it with the signer's identity",
             "keyless-style certificate",
         );
         let other: Value = serde_json::from_slice(&bytes("key.sig")).expect("JSON");

@@ -288,6 +288,14 @@ impl<'a> Extensions<'a> {
     }
 }
 
+/// Whether `issuer` issued `cert`: its subject is `cert`'s issuer name, `cert`'s authority key
+/// identifier (if any) fits it, and its key verifies `cert`'s signature.
+pub(super) fn issued_by(cert: &X509Certificate<'_>, issuer: &X509Certificate<'_>) -> bool {
+    same_name(issuer.subject(), cert.issuer())
+        && key_id_names(cert, issuer)
+        && cert.verify_signature(Some(issuer.public_key())).is_ok()
+}
+
 /// Whether the certificate names itself as its issuer and its authority key identifier, if any,
 /// names its own key: what OpenSSL takes for self-signed, without checking the signature.
 fn self_signed(cert: &X509Certificate<'_>) -> bool {
