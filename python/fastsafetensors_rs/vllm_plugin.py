@@ -69,8 +69,9 @@ OPTIONS: Dict[str, str] = {
     "weights": "where the weights are read from instead of the model's own files: a bucket prefix or index URL "
                "(s3://bucket/model/, https://host/model.safetensors.index.json) or a local directory",
     "verify": "check every byte loaded: {'signature': 'model.sig', 'public_key': 'key.pub'} (or "
-              "'certificate_chain': [...]), {'digests': {file: 'sha256:...'}}, or true (a Hugging Face cache's blob "
-              "names); each rank then reads and checks every file itself (share 'none')",
+              "'certificate_chain': [...], or a keyless one: 'identity': ..., 'issuer': ...), "
+              "{'digests': {file: 'sha256:...'}}, or true (a Hugging Face cache's blob names); the ranks still "
+              "share the reads, each file hashed once in the group",
 }
 SHARE = ("tp", "world", "none")
 
