@@ -204,19 +204,44 @@ LoadResult load_to_cuda(const rs::PlannedFiles& planned, const std::string& read
   return {std::move(names), std::move(list), std::move(read_paths)};
 }
 
-// The selected tensors of `files` on `device`, in read order, and how each file was read.
-LoadResult load_named(Strings files, std::string device, std::optional<ScalarType> dtype,
+// The selected tensors of `files` on `device`, in read order, and how each file was read;
+// `keep`: the bytes kept between processes (Rust decides where they come from).
+LoadResult load_files(Strings files, std::string device, std::optional<ScalarType> dtype,
                       std::optional<std::string> reader, std::optional<bool> nogds,
-                      std::optional<Strings> tensor_filter, std::string tensor_name_match_mode, int64_t handle) {
+                      std::optional<Strings> tensor_filter, std::string tensor_name_match_mode, int64_t handle,
+                      bool keep) {
   const auto paths = to_rust(files);
   const auto chosen = selection(tensor_filter, tensor_name_match_mode);
   auto planned = call_rust([&] { return rs::plan_load(paths, chosen, device, dtype_name(dtype), handle); });
   const std::string how = reader.value_or("");
   if (planned->route() == rs::Route::Device) return load_to_cuda(*planned, how, nogds);
   const int32_t to = planned->route() == rs::Route::HostThenDevice ? cuda_device(planned->target()) : -1;
-  auto files_read = call_rust([&] { return rs::read_to_host(std::move(planned), how); });
+  auto files_read = call_rust([&] {
+    return keep ? rs::read_to_host_kept(std::move(planned), how) : rs::read_to_host(std::move(planned), how);
+  });
   auto [names, tensors] = host_tensors(*files_read, to);
   return {std::move(names), std::move(tensors), from_rust(files_read->read_paths())};
+}
+
+LoadResult load_named(Strings files, std::string device, std::optional<ScalarType> dtype,
+                      std::optional<std::string> reader, std::optional<bool> nogds,
+                      std::optional<Strings> tensor_filter, std::string tensor_name_match_mode, int64_t handle) {
+  return load_files(std::move(files), std::move(device), dtype, std::move(reader), nogds, std::move(tensor_filter),
+                    std::move(tensor_name_match_mode), handle, false);
+}
+
+// `load_named` with the bytes kept between processes (see docs/keep.md).
+LoadResult load_kept(Strings files, std::string device, std::optional<ScalarType> dtype,
+                     std::optional<std::string> reader, std::optional<bool> nogds,
+                     std::optional<Strings> tensor_filter, std::string tensor_name_match_mode, int64_t handle) {
+  return load_files(std::move(files), std::move(device), dtype, std::move(reader), nogds, std::move(tensor_filter),
+                    std::move(tensor_name_match_mode), handle, true);
+}
+
+// A command to the running keeper ("list", "drop" with `path`, "stop"): its answer as JSON,
+// "" when none runs.
+std::string keep_command(std::string command, std::string path) {
+  return std::string(call_rust([&] { return rs::keep_command(command, path); }));
 }
 
 LoadResult load_with_report(Strings files, std::string device, std::optional<ScalarType> dtype,
@@ -543,6 +568,7 @@ FST_LIBRARY(m) {
   m.def("load" LOAD_ARGS ") -> (str[] names, Tensor[] tensors)");
   m.def("load_with_report" LOAD_ARGS ") -> (str[] names, Tensor[] tensors, str[] read_paths)");
   m.def("load_named" LOAD_ARGS ", int handle=-1) -> (str[] names, Tensor[] tensors, str[] read_paths)");
+  m.def("load_kept" LOAD_ARGS ", int handle=-1) -> (str[] names, Tensor[] tensors, str[] read_paths)");
 #undef LOAD_ARGS
   m.def("load_rows(str file, str name, int start, int stop, str? reader=None, int handle=-1) -> Tensor");
   m.def(
@@ -571,6 +597,7 @@ FST_LIBRARY(m) {
   m.def("open_handle(str[] files, str? cache_dir=None, str? verify=None) -> int");
   m.def("close_handle(int handle) -> bool");
   m.def("verify_tree(str dir, str verify) -> str[]");
+  m.def("keep_command(str command, str path=\"\") -> str");
   m.def("cancel_handle(int handle) -> bool");
   m.def("save(str[] names, Tensor[] tensors, str target, int max_shard_size=-1, str[]? metadata_keys=None,"
         " str[]? metadata_values=None, str max_memory=\"\") -> str[]");
@@ -580,6 +607,8 @@ FST_LIBRARY_IMPL(m) {
   m.impl("load", FST_KERNEL(load));
   m.impl("load_with_report", FST_KERNEL(load_with_report));
   m.impl("load_named", FST_KERNEL(load_named));
+  m.impl("load_kept", FST_KERNEL(load_kept));
+  m.impl("keep_command", FST_KERNEL(keep_command));
   m.impl("load_rows", FST_KERNEL(load_rows));
   m.impl("open_stream", FST_KERNEL(open_stream));
   m.impl("stream_next", FST_KERNEL(stream_next));

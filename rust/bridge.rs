@@ -203,6 +203,12 @@ mod ffi {
         /// or "" for the default): each file's selected byte ranges, as few buffers (extents).
         /// For `Route::HostThenDevice` the casts are left for after the move.
         fn read_to_host(planned: Box<PlannedFiles>, reader: &str) -> Result<Box<LoadedFiles>>;
+        /// `read_to_host`, the bytes kept between processes (see `load::kept`): a kept entry's
+        /// when the keeper holds this load's, else read into a new one and handed to it.
+        fn read_to_host_kept(planned: Box<PlannedFiles>, reader: &str) -> Result<Box<LoadedFiles>>;
+        /// A command to the running keeper, its answer as JSON: "list" (its entries), "drop"
+        /// (ends the entries of the files at or under `path`), "stop"; "" when none runs.
+        fn keep_command(command: &str, path: &str) -> Result<String>;
         /// Loads rows `[start, stop)` of tensor `name` of `path` into host memory, reading
         /// only their bytes (with a handle, found by name: the cost does not grow with the
         /// number of tensors).
@@ -450,7 +456,7 @@ fn check_torch(planned: &Planned) -> Result<()> {
 /// Whether a buffer read this way is memory of its own, freed with its last tensor (a mapping
 /// is page cache: its views stay views).
 fn owns_memory(path: ReadPath) -> bool {
-    !matches!(path, ReadPath::Mmap | ReadPath::MmapFallback)
+    !matches!(path, ReadPath::Mmap | ReadPath::MmapFallback | ReadPath::Kept)
 }
 
 /// Specs of loaded tensors: buffer `k` is extent `k`. The names move into the specs: only
@@ -888,6 +894,29 @@ fn read_to_host(planned: Box<PlannedFiles>, reader: &str) -> Result<Box<LoadedFi
         let loaded = planned.read_to_host(&load_options(reader)?)?;
         // Moved to the device afterwards, tensors are copied there anyway: none is copied out.
         Ok(LoadedFiles::new(loaded, cast, route == Route::Host))
+    })
+}
+
+fn read_to_host_kept(planned: Box<PlannedFiles>, reader: &str) -> Result<Box<LoadedFiles>> {
+    guard(|| {
+        let PlannedFiles { planned, route, cast, .. } = *planned;
+        // Host entries: a CPU load, or a selection on CUDA (its tensors are moved from them).
+        let loaded = planned.read_to_host_kept(&load_options(reader)?)?;
+        Ok(LoadedFiles::new(loaded, cast, route == Route::Host))
+    })
+}
+
+fn keep_command(command: &str, path: &str) -> Result<String> {
+    use crate::keep::{client, Request};
+    guard(|| {
+        let request = match command {
+            "list" => Request::List,
+            "drop" => Request::Drop { path: path.to_owned() },
+            "stop" => Request::Stop,
+            other => return Err(Error::InvalidArgument(format!("keep command '{other}' (list, drop or stop)"))),
+        };
+        let reply = client::command(&request)?;
+        Ok(reply.map_or_else(String::new, |r| serde_json::to_string(&r).unwrap_or_default()))
     })
 }
 
