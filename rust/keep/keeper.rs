@@ -147,7 +147,7 @@ pub fn serve_locked(options: &Options, _lock: Lock) -> Result<Served> {
                 peer.pid, peer.uid
             );
             log(&why);
-            let _ = conn.send(&Reply::Refused { why }, None);
+            refuse(conn, why);
             continue;
         }
         let id = conn_ids.fetch_add(1, Ordering::Relaxed);
@@ -166,6 +166,19 @@ pub fn serve_locked(options: &Options, _lock: Lock) -> Result<Served> {
     }
     let _ = std::fs::remove_file(&socket);
     Ok(Served::Done)
+}
+
+/// Answers `conn` with a refusal, on a thread of its own: its request is read first (for a
+/// second at most), so that the process learns why rather than finding the connection closed.
+fn refuse(conn: Socket, why: String) {
+    let answer = move || {
+        let _ = conn.set_read_timeout(Some(Duration::from_secs(1)));
+        let _ = conn.recv::<serde_json::Value>();
+        let _ = conn.send(&Reply::Refused { why }, None);
+    };
+    if let Err(e) = std::thread::Builder::new().name("keeper-refuse".into()).spawn(answer) {
+        log(&format!("could not answer a refused process: {e}"));
+    }
 }
 
 /// Writes a line of the keeper's log (its stderr).
