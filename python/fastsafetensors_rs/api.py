@@ -803,7 +803,8 @@ class safe_open:
     index is refused (load those with `load_file`). `cache_dir`: as in `load`. `verify`: as in
     `load`; a verified handle reads a file whole on its first `get_tensor` and returns its
     tensors only once the file has passed (`get_slice` rows need `full=True`, as a filtered
-    `load` does).
+    `load` does). `keep`: as in `load`; a kept handle loads a file whole (kept, or attached
+    to) on its first `get_tensor` or `get_slice` of it.
     """
 
     @mapped_errors
@@ -821,6 +822,7 @@ class safe_open:
         *,
         backend: Optional[str] = None,
         verify: Verify = None,
+        keep: bool = False,
     ):
         if framework not in ("pt", "torch", "pytorch"):
             raise ValueError(f"framework {framework!r} is not supported: only 'pt' (PyTorch)")
@@ -842,6 +844,8 @@ class safe_open:
         checked = verify_spec(verify, self._paths)
         # A verified handle hands out a file's tensors only once the file has passed.
         self._verified = checked is not None
+        # Kept: each file is loaded whole (kept, or attached to) on its first get_tensor.
+        self._keep = _keep.check_keep(keep)
         self._handle: int = ops.open_handle(self._paths, cache, checked)
         try:
             if callable(tensor_filter) and self._verified:
@@ -1026,7 +1030,7 @@ class _FileReader:
         selected = any(h._file_of.get(n) == h._paths.index(self._path) for n in h._selected) \
             if h._patterns is not None else True
         loaded = _load([self._path], h._device, None, h._reader, h._nogds, h._patterns if selected else None,
-                       h._mode, h._handle)
+                       h._mode, h._handle, h._keep)
         self.arrived = loaded if selected else {}
         self._checked = True
 
@@ -1035,7 +1039,7 @@ class _FileReader:
             if name in self.arrived:
                 return self.arrived[name]
             h = self._handle
-            if h._device != "cpu" or h._verified:
+            if h._device != "cpu" or h._verified or h._keep:
                 self._load_whole()
             elif self._stream is None:
                 check_settings()  # as every load does
@@ -1091,7 +1095,7 @@ class TensorSlice:
     def __getitem__(self, index) -> torch.Tensor:
         h = self._handle
         rows = None if self.get_dtype() == "F4" and len(self.get_shape()) < 2 else _rows(index, self.get_shape())
-        if rows is not None and h._arrived(self._name) is None:
+        if rows is not None and h._arrived(self._name) is None and not h._keep:
             h._check_open()
             check_settings()
             start, stop, rest = rows

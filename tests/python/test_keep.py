@@ -461,3 +461,44 @@ def test_serve_runs_the_keeper_in_the_foreground(keep_dir, model):
     finally:
         keep.stop()
         server.wait(timeout=30)
+
+
+def test_weights_iterator_and_the_compatible_loader_keep(keep_dir, model):
+    from fastsafetensors_rs import SafeTensorsFileLoader, SingleGroup, weights_iterator
+
+    d, expected = model
+    files = [str(p) for p in sorted(d.glob("*.safetensors"))]
+    U.assert_same_dict(dict(weights_iterator(files, keep=True)), expected)
+    loader = SafeTensorsFileLoader(SingleGroup(), "cpu", keep=True)
+    loader.add_filenames({0: files})
+    buffer = loader.copy_files_to_device()
+    U.assert_same_dict({n: buffer.get_tensor(n) for n in expected}, expected)
+    [entry] = keep.entries()
+    assert entry["attaches"] == 1, entry
+
+
+def test_the_vllm_plugin_takes_keep_in_its_extra_config(keep_dir, model):
+    from fastsafetensors_rs import vllm_plugin
+
+    assert vllm_plugin.parse_options({"keep": True})["keep"] is True
+    with pytest.raises(ValueError, match=r"model_loader_extra_config\['keep'\].*true or false"):
+        vllm_plugin.parse_options({"keep": "yes"})
+
+
+def test_from_pretrained_under_the_patch_keeps_the_weights(keep_dir, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                                      max_position_embeddings=64)
+    torch.manual_seed(3)
+    directory = tmp_path / "llama"
+    transformers.LlamaForCausalLM(config).save_pretrained(str(directory), max_shard_size="20KB")
+    shards = len(list(directory.glob("*.safetensors")))
+    assert shards > 1
+    stock = transformers.LlamaForCausalLM.from_pretrained(str(directory))
+    for _ in range(2):
+        with fst.patched_transformers(keep=True):
+            ours = transformers.LlamaForCausalLM.from_pretrained(str(directory))
+        U.assert_same_dict(ours.state_dict(), stock.state_dict())
+    listed = keep.entries()
+    assert len(listed) == shards and all(e["attaches"] == 1 for e in listed), listed
