@@ -58,13 +58,15 @@ std::string dtype_name(std::optional<ScalarType> dtype) {
   return dtype ? std::string(rs::torch_dtype_name(static_cast<int32_t>(*dtype))) : "";
 }
 
-// One host buffer of the Rust loader, shared by the tensors in it: each tensor's storage holds
-// a count (its context), which costs no allocation per tensor (checkpoints of 100k tensors).
-class SharedBuffer {
+// One buffer of the Rust loader (a host buffer, or kept device memory), shared by the tensors
+// in it: each tensor's storage holds a count (its context), which costs no allocation per
+// tensor (checkpoints of 100k tensors).
+template <class Ref>
+class Shared {
  public:
   // The buffer, with one count held by the returned handle.
-  static std::unique_ptr<SharedBuffer, void (*)(SharedBuffer*)> take(::rust::Box<rs::BufferRef> ref) {
-    return {new SharedBuffer(std::move(ref)), [](SharedBuffer* b) { release(b); }};
+  static std::unique_ptr<Shared, void (*)(Shared*)> take(::rust::Box<Ref> ref) {
+    return {new Shared(std::move(ref)), [](Shared* b) { release(b); }};
   }
 
   uint8_t* base() const { return base_; }
@@ -76,19 +78,19 @@ class SharedBuffer {
   }
 
   static void release(void* ctx) {
-    auto* self = static_cast<SharedBuffer*>(ctx);
+    auto* self = static_cast<Shared*>(ctx);
     if (self->refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete self;
   }
 
  private:
-  explicit SharedBuffer(::rust::Box<rs::BufferRef> ref)
-      : ref_(std::move(ref)), base_(reinterpret_cast<uint8_t*>(ref_->address())) {}
+  explicit Shared(::rust::Box<Ref> ref) : ref_(std::move(ref)), base_(reinterpret_cast<uint8_t*>(ref_->address())) {}
 
-  ::rust::Box<rs::BufferRef> ref_;
+  ::rust::Box<Ref> ref_;
   uint8_t* base_;
   std::atomic<size_t> refs_{1};
 };
 
+using SharedBuffer = Shared<rs::BufferRef>;
 using Buffer = std::unique_ptr<SharedBuffer, void (*)(SharedBuffer*)>;
 
 std::vector<int64_t> shape_of(const rs::TensorSpec& t) { return {t.shape.begin(), t.shape.end()}; }
@@ -204,6 +206,34 @@ LoadResult load_to_cuda(const rs::PlannedFiles& planned, const std::string& read
   return {std::move(names), std::move(list), std::move(read_paths)};
 }
 
+// Every file's tensors in kept memory on a CUDA device (read-only: docs/keep.md), each a view
+// holding it, cast or copied out where Rust says.
+LoadResult kept_cuda_tensors(const rs::PlannedFiles& planned, ::rust::Box<rs::KeptDevice> kept) {
+  const int32_t device = cuda_device(planned.target());
+  const auto copies = kept->file_copies();
+  auto memory = Shared<rs::KeptDevice>::take(std::move(kept));
+  Strings read_paths;
+  for (const auto& c : copies) read_paths.emplace_back(c.path);
+  NamedTensors tensors;
+  for (size_t g = 0; g < planned.device_group_count(); ++g) {
+    const auto files = planned.device_group_files(g);
+    for (const auto& spec : planned.device_group_specs(g)) {
+      const auto type = scalar_type(view(spec.dtype));
+      auto* data = memory->base() + copies[files[spec.buffer]].offset + spec.offset;
+      using Memory = Shared<rs::KeptDevice>;
+      const auto bytes = static_cast<int64_t>(spec.nbytes);
+      Tensor t = spec.nbytes == 0 ? tt::empty(shape_of(spec), type, device)
+                 : spec.copy ? tt::reinterpret(tt::clone(tt::view_of<&Memory::release>(
+                                                   data, {bytes}, ScalarType::Byte, memory->acquire(), device)),
+                                               type, shape_of(spec))
+                             : tt::view_of<&Memory::release>(data, shape_of(spec), type, memory->acquire(), device);
+      add(tensors, spec, std::move(t));
+    }
+  }
+  auto& [names, list] = tensors;
+  return {std::move(names), std::move(list), std::move(read_paths)};
+}
+
 // The selected tensors of `files` on `device`, in read order, and how each file was read;
 // `keep`: the bytes kept between processes (Rust decides where they come from).
 LoadResult load_files(Strings files, std::string device, std::optional<ScalarType> dtype,
@@ -214,7 +244,14 @@ LoadResult load_files(Strings files, std::string device, std::optional<ScalarTyp
   const auto chosen = selection(tensor_filter, tensor_name_match_mode);
   auto planned = call_rust([&] { return rs::plan_load(paths, chosen, device, dtype_name(dtype), handle); });
   const std::string how = reader.value_or("");
-  if (planned->route() == rs::Route::Device) return load_to_cuda(*planned, how, nogds);
+  if (planned->route() == rs::Route::Device) {
+    if (keep) {
+      const auto on = static_cast<size_t>(cuda_device(planned->target()));
+      auto kept = call_rust([&] { return planned->copy_to_cuda_kept(on, how); });
+      if (kept->kept()) return kept_cuda_tensors(*planned, std::move(kept));
+    }
+    return load_to_cuda(*planned, how, nogds);
+  }
   const int32_t to = planned->route() == rs::Route::HostThenDevice ? cuda_device(planned->target()) : -1;
   auto files_read = call_rust([&] {
     return keep ? rs::read_to_host_kept(std::move(planned), how) : rs::read_to_host(std::move(planned), how);

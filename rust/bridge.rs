@@ -199,6 +199,19 @@ mod ffi {
         /// Frees the pinned staging buffers kept for later CUDA loads; returns how many.
         fn release_staging_buffers() -> usize;
 
+        /// A kept load's memory on a CUDA device (see `load::kept`), mapped read-only and shared
+        /// by the tensors made in it: unmapped, and the keeper's hold let go, when dropped.
+        type KeptDevice;
+        /// `copy_to_cuda` of every file into kept memory on CUDA device `ordinal`: a kept
+        /// entry's, attached to, or new memory filled and handed to the keeper. Not `kept()`
+        /// where it is not kept (the reason is on stderr): the load then goes as without `keep`.
+        fn copy_to_cuda_kept(self: &PlannedFiles, ordinal: usize, reader: &str) -> Result<Box<KeptDevice>>;
+        fn kept(self: &KeptDevice) -> bool;
+        /// The device address of the memory's first byte.
+        fn address(self: &KeptDevice) -> u64;
+        /// How each file came there, and where its byte 0 is from `address()`.
+        fn file_copies(self: &KeptDevice) -> Vec<FileCopy>;
+
         /// Reads the planned tensors into host memory with `reader` ("auto", "direct", "mmap",
         /// or "" for the default): each file's selected byte ranges, as few buffers (extents).
         /// For `Route::HostThenDevice` the casts are left for after the move.
@@ -400,6 +413,8 @@ pub struct LoadedFiles {
 }
 
 pub struct BufferRef(Arc<HostBuffer>);
+
+pub struct KeptDevice(Option<crate::load::kept::KeptOnDevice>);
 
 pub struct ReadyEvent(driver::Event);
 
@@ -811,6 +826,13 @@ fn plan_load(
 }
 
 impl PlannedFiles {
+    fn copy_to_cuda_kept(&self, ordinal: usize, reader: &str) -> Result<Box<KeptDevice>> {
+        guard(|| {
+            let options = DeviceOptions { reader: reader_kind(reader)?, ..DeviceOptions::default() };
+            Ok(Box::new(KeptDevice(self.planned.copy_to_cuda_kept(ordinal, &options)?)))
+        })
+    }
+
     fn target(&self) -> DeviceSpec {
         DeviceSpec::from(&self.target)
     }
@@ -881,6 +903,20 @@ impl PlannedFiles {
             let copies = self.planned.copy_to_cuda(ordinal, &targets, &options, ready)?;
             Ok(copies.into_iter().map(FileCopy::from).collect())
         })
+    }
+}
+
+impl KeptDevice {
+    fn kept(&self) -> bool {
+        self.0.is_some()
+    }
+
+    fn address(&self) -> u64 {
+        self.0.as_ref().map_or(0, |k| k.mapping.address())
+    }
+
+    fn file_copies(&self) -> Vec<FileCopy> {
+        self.0.as_ref().map_or_else(Vec::new, |k| k.files.iter().map(|&c| c.into()).collect())
     }
 }
 

@@ -50,7 +50,8 @@ def _command(command: str, path: str = "") -> Optional[Dict[str, Any]]:
 
 
 def status() -> Optional[Dict[str, Any]]:
-    """The running keeper (`pid`, `budget` in bytes or None, `used`, `dir`) and its `entries`,
+    """The running keeper (`pid`, `budget` of host entries in bytes or None, `used` by them,
+    `device_budget` of each GPU's entries, `dir`) and its `entries`,
     or None when none runs. Each entry: `files`, `device`, `len` (bytes), `verified` (what its
     bytes were checked against, or None), `holders` (pids of the processes attached now),
     `filling`, `attaches`, `created` and `last_attached` (Unix times)."""
@@ -176,8 +177,9 @@ def cmd_keep(args) -> Tuple[Dict[str, Any], bool]:
         if found is None:
             print("no keeper is running")
         else:
-            print(f"keeper pid {found['pid']} in {found['dir']}: {_size(found['used'])} held of "
-                  f"{_size(found['budget'])} (FASTSAFETENSORS_KEEP_MEMORY)")
+            print(f"keeper pid {found['pid']} in {found['dir']}: {_size(found['used'])} of host memory held of "
+                  f"{_size(found['budget'])} (FASTSAFETENSORS_KEEP_MEMORY); on each GPU at most "
+                  f"{_size(found['device_budget'])} (FASTSAFETENSORS_KEEP_DEVICE_MEMORY)")
             for e in found["entries"]:
                 holders = ", ".join(map(str, e["holders"])) or "nobody"
                 state = "filling" if e["filling"] else f"attached {e['attaches']} time(s)"

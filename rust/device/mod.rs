@@ -37,6 +37,7 @@ pub mod cufile;
 pub mod driver;
 pub mod gds;
 pub mod staged;
+pub mod vmm;
 
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};

@@ -5,6 +5,7 @@
 //! [`Attach::NotKept`] (or an error from [`Filling::put`]) with the reason, and the load goes
 //! on reading as it would without `keep`.
 
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -12,7 +13,6 @@ use std::process::{Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::memfd::Memfd;
 use super::wire::Socket;
 use super::{Describe, Reply, Request, Span, PROGRAM, SOCKET};
 use crate::error::{Error, Result};
@@ -65,16 +65,16 @@ pub enum Attach {
     NotKept(String),
 }
 
-/// A kept entry: its sealed memory, where each buffer is in it, and the hold on it.
+/// A kept entry: its memory (a sealed memory file for the host, exported device memory for a
+/// GPU), where each buffer is in it, and the hold on it.
 pub struct Kept {
-    pub memory: Memfd,
+    pub memory: OwnedFd,
     pub buffers: Vec<Span>,
     pub hold: Hold,
 }
 
-/// An entry this process fills: the memory to read into, and the connection to put it on.
+/// An entry this process fills, and the connection to put it on.
 pub struct Filling {
-    memory: Memfd,
     conn: Socket,
 }
 
@@ -85,17 +85,10 @@ pub struct Hold {
 }
 
 impl Filling {
-    /// The memory to fill: shared mappings of it ([`Memfd::map_shared`]), each made private
-    /// ([`Memfd::make_private`]) once read.
-    pub fn memory(&self) -> &Memfd {
-        &self.memory
-    }
-
-    /// Seals the memory and gives it to the keeper; the hold on the entry, or why it is not
-    /// kept (the memory stays this process's own, sealed).
-    pub fn put(self) -> std::result::Result<Hold, String> {
-        self.memory.seal().map_err(|e| format!("its memory could not be sealed: {e}"))?;
-        self.conn.send(&Request::Put, Some(self.memory.fd())).map_err(|e| went_away(&e))?;
+    /// Gives the filled memory (a sealed memory file, or exported device memory) to the
+    /// keeper; the hold on the entry, or why it is not kept (the memory stays this process's).
+    pub fn put(self, memory: BorrowedFd<'_>) -> std::result::Result<Hold, String> {
+        self.conn.send(&Request::Put, Some(memory)).map_err(|e| went_away(&e))?;
         match self.conn.recv::<Reply>() {
             Ok(Some((Reply::Taken { .. }, _))) => Ok(Hold { _conn: self.conn }),
             Ok(Some((Reply::Refused { why } | Reply::NotKept { why }, _))) => Err(why),
@@ -125,22 +118,13 @@ fn try_attach(entry: &Describe) -> std::result::Result<Attach, String> {
     let conn = connect_or_start(&dir)?;
     conn.send(&Request::Attach { entry: entry.clone() }, None).map_err(|e| went_away(&e))?;
     match conn.recv::<Reply>() {
-        Ok(Some((Reply::Kept { buffers, .. }, Some(fd)))) => {
-            let memory = Memfd::from_fd(fd).map_err(|e| format!("the keeper sent no memory file: {e}"))?;
-            if !memory.is_sealed().unwrap_or(false) {
-                return Err("the keeper's entry is not sealed".into());
-            }
-            if buffers != entry.buffers || memory.len() < entry.len {
+        Ok(Some((Reply::Kept { buffers, .. }, Some(memory)))) => {
+            if buffers != entry.buffers {
                 return Err("the keeper's entry is laid out differently".into());
             }
             Ok(Attach::Kept(Kept { memory, buffers, hold: Hold { _conn: conn } }))
         }
-        Ok(Some((Reply::Fill { .. }, _))) => {
-            let name = entry.files.first().map(|f| f.rsplit('/').next().unwrap_or(f)).unwrap_or("entry");
-            let memory = Memfd::create(&format!("fastsafetensors-keep:{name}"), entry.len)
-                .map_err(|e| format!("no memory file for the entry: {e}"))?;
-            Ok(Attach::Fill(Filling { memory, conn }))
-        }
+        Ok(Some((Reply::Fill { .. }, _))) => Ok(Attach::Fill(Filling { conn })),
         Ok(Some((Reply::NotKept { why } | Reply::Refused { why }, _))) => Ok(Attach::NotKept(why)),
         Ok(Some((other, _))) => Err(format!("unexpected answer from the keeper: {other:?}")),
         Ok(None) => Err("the keeper went away before it answered".into()),

@@ -12,16 +12,16 @@
 //! process that ends closes it, however it ends. A filler that goes away before putting gives
 //! its turn to the next load waiting.
 //!
-//! Memory: entries (kept or being filled) count against the budget; a new one that does not
-//! fit evicts entries nobody holds, least recently attached first, and is not kept when that
-//! is not enough. An entry evicted or dropped while processes hold it stays mapped in them
+//! Memory: entries (kept or being filled) count against the budget of their device (host
+//! memory, or each GPU's); a new one that does not fit evicts entries of its device nobody
+//! holds, least recently attached first, and is not kept when that is not enough. An entry evicted or dropped while processes hold it stays mapped in them
 //! (their tensors are valid) and is freed when the last lets go. With nothing kept and no
 //! connection, the keeper exits after its idle time.
 
 use std::collections::HashMap;
 use std::fs::OpenOptions;
 use std::io::Write;
-use std::os::fd::{AsFd, AsRawFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -29,16 +29,19 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
 use super::memfd::Memfd;
+use crate::device::vmm;
 use super::wire::{Listener, Peer, Socket};
-use super::{Describe, Listing, Reply, Request, Status, LOCK, SOCKET};
+use super::{Describe, Listing, Reply, Request, Status, HOST, LOCK, SOCKET};
 use crate::error::{Error, Result};
 
 /// How the keeper runs.
 #[derive(Debug, Clone)]
 pub struct Options {
     pub dir: PathBuf,
-    /// Bytes it may hold (`None`: no limit).
+    /// Bytes of host entries it may hold (`None`: no limit).
     pub budget: Option<u64>,
+    /// Bytes of entries it may hold on each GPU (`None`: as much as the GPU takes).
+    pub device_budget: Option<u64>,
     /// How long it waits, holding nothing, before it exits (`None`: never).
     pub idle: Option<Duration>,
 }
@@ -47,7 +50,12 @@ impl Options {
     /// The settings of the environment ([`super::dir`], [`super::memory_budget`],
     /// [`super::idle_timeout`]).
     pub fn from_env() -> Result<Options> {
-        Ok(Options { dir: super::dir()?, budget: super::memory_budget()?, idle: super::idle_timeout()? })
+        Ok(Options {
+            dir: super::dir()?,
+            budget: super::memory_budget()?,
+            device_budget: super::device_memory_budget()?,
+            idle: super::idle_timeout()?,
+        })
     }
 }
 
@@ -200,6 +208,7 @@ struct Keeper {
     /// Signalled when an entry is put, given up, dropped, or the keeper stops.
     changed: Condvar,
     budget: Option<u64>,
+    device_budget: Option<u64>,
     idle: Option<Duration>,
     dir: PathBuf,
 }
@@ -216,12 +225,48 @@ struct Entry {
     id: u64,
     describe: Describe,
     /// None while it is filled.
-    memory: Option<Memfd>,
+    memory: Option<Memory>,
     /// Connections holding it, and their processes.
     holders: HashMap<u64, i32>,
     attaches: u64,
     created: SystemTime,
     last_attached: SystemTime,
+}
+
+/// An entry's memory, as the keeper holds it.
+enum Memory {
+    /// A sealed memory file.
+    Host(Memfd),
+    /// Device memory: its exported descriptor (what loads import), and the keeper's own handle
+    /// on it, so that it stays allocated whatever becomes of descriptors alone.
+    Device { fd: OwnedFd, _held: vmm::Physical },
+}
+
+impl Memory {
+    /// What `describe` promised, in the descriptor a process put: a sealed memory file of the
+    /// entry's size for the host, device memory the driver imports for a GPU.
+    fn take(fd: OwnedFd, describe: &Describe) -> std::result::Result<Memory, String> {
+        if describe.device != HOST {
+            let copy = fd.try_clone().map_err(|e| format!("its descriptor could not be kept: {e}"))?;
+            let held = vmm::Physical::import(copy, describe.len as usize)
+                .map_err(|e| format!("the keeper cannot hold device memory ({e}): it needs the GPU's driver"))?;
+            return Ok(Memory::Device { fd, _held: held });
+        }
+        let memory = Memfd::from_fd(fd).map_err(|e| format!("not a memory file: {e}"))?;
+        match memory.is_sealed() {
+            Ok(true) if memory.len() >= describe.len => Ok(Memory::Host(memory)),
+            Ok(true) => Err(format!("{} bytes, not the {} promised", memory.len(), describe.len)),
+            Ok(false) => Err("its memory is not sealed".to_owned()),
+            Err(e) => Err(format!("its seals cannot be read: {e}")),
+        }
+    }
+
+    fn try_clone_fd(&self) -> std::io::Result<OwnedFd> {
+        match self {
+            Memory::Host(memfd) => memfd.try_clone_fd(),
+            Memory::Device { fd, .. } => fd.try_clone(),
+        }
+    }
 }
 
 impl Entry {
@@ -263,6 +308,7 @@ impl Keeper {
             }),
             changed: Condvar::new(),
             budget: options.budget,
+            device_budget: options.device_budget,
             idle: options.idle,
             dir: options.dir.clone(),
         }
@@ -283,36 +329,40 @@ impl Keeper {
             .then(|| format!("nothing held for {} s", state.last_activity.elapsed().as_secs()))
     }
 
-    fn used(state: &State) -> u64 {
-        state.entries.values().map(|e| e.describe.len).sum()
+    /// Bytes of the entries (kept or being filled) on `device`.
+    fn used(state: &State, device: &str) -> u64 {
+        state.entries.values().filter(|e| e.describe.device == device).map(|e| e.describe.len).sum()
     }
 
-    /// Makes room for `len` more bytes by evicting entries nobody holds, least recently
-    /// attached first; why it cannot, if it cannot.
-    fn make_room(&self, state: &mut State, len: u64) -> std::result::Result<(), String> {
-        let Some(budget) = self.budget else { return Ok(()) };
-        if len > budget {
-            return Err(format!(
-                "{} do not fit FASTSAFETENSORS_KEEP_MEMORY ({}) of the keeper (pid {})",
-                bytes(len),
-                bytes(budget),
-                std::process::id()
-            ));
+    /// The budget of `device`'s entries, and the setting it comes from.
+    fn budget(&self, device: &str) -> (Option<u64>, &'static str) {
+        match device {
+            HOST => (self.budget, super::KEEP_MEMORY_ENV),
+            _ => (self.device_budget, super::KEEP_DEVICE_MEMORY_ENV),
         }
-        while Self::used(state) + len > budget {
+    }
+
+    /// Makes room for `len` more bytes on `device` by evicting entries of that device nobody
+    /// holds, least recently attached first; why it cannot, if it cannot.
+    fn make_room(&self, state: &mut State, device: &str, len: u64) -> std::result::Result<(), String> {
+        let (Some(budget), var) = self.budget(device) else { return Ok(()) };
+        let pid = std::process::id();
+        if len > budget {
+            return Err(format!("{} do not fit {var} ({}) of the keeper (pid {pid})", bytes(len), bytes(budget)));
+        }
+        while Self::used(state, device) + len > budget {
             let victim = state
                 .entries
                 .iter()
-                .filter(|(_, e)| e.memory.is_some() && e.holders.is_empty())
+                .filter(|(_, e)| e.describe.device == device && e.memory.is_some() && e.holders.is_empty())
                 .min_by_key(|(_, e)| e.last_attached)
                 .map(|(what, _)| what.clone());
             let Some(what) = victim else {
                 return Err(format!(
-                    "{} do not fit FASTSAFETENSORS_KEEP_MEMORY ({}) beside the {} the keeper (pid {}) holds for running processes",
+                    "{} do not fit {var} ({}) beside the {} the keeper (pid {pid}) holds for running processes",
                     bytes(len),
                     bytes(budget),
-                    bytes(Self::used(state)),
-                    std::process::id()
+                    bytes(Self::used(state, device)),
                 ));
             };
             let gone = state.entries.remove(&what).expect("found above");
@@ -423,7 +473,7 @@ impl Connection<'_> {
                     }
                 }
                 None => {
-                    if let Err(why) = self.keeper.make_room(&mut state, entry.len) {
+                    if let Err(why) = self.keeper.make_room(&mut state, &entry.device, entry.len) {
                         drop(state);
                         return self.reply(&Reply::NotKept { why }, None);
                     }
@@ -456,23 +506,22 @@ impl Connection<'_> {
         let Some(what) = self.filling.take() else {
             return self.reply(&Reply::Refused { why: "nothing is being filled on this connection".into() }, None);
         };
-        let memory = fd
-            .ok_or_else(|| "no memory came with it".to_owned())
-            .and_then(|fd| Memfd::from_fd(fd).map_err(|e| format!("not a memory file: {e}")));
+        let describe = self.keeper.lock().entries.get(&what).map(|e| e.describe.clone());
+        // Taken outside the lock: importing device memory is a driver call.
+        let memory = match (fd, &describe) {
+            (_, None) => Err("it was dropped while it was filled".to_owned()),
+            (None, _) => Err("no memory came with it".to_owned()),
+            (Some(fd), Some(describe)) => Memory::take(fd, describe),
+        };
         let mut state = self.keeper.lock();
         let outcome = match (memory, state.entries.get_mut(&what)) {
             (_, None) => Err("it was dropped while it was filled".to_owned()),
             (Err(why), Some(_)) => Err(why),
-            (Ok(memory), Some(entry)) => match memory.is_sealed() {
-                Ok(true) if memory.len() >= entry.describe.len => {
-                    entry.memory = Some(memory);
-                    entry.holders.insert(self.id, self.peer.pid);
-                    Ok(entry.id)
-                }
-                Ok(true) => Err(format!("{} bytes, not the {} promised", memory.len(), entry.describe.len)),
-                Ok(false) => Err("its memory is not sealed".to_owned()),
-                Err(e) => Err(format!("its seals cannot be read: {e}")),
-            },
+            (Ok(memory), Some(entry)) => {
+                entry.memory = Some(memory);
+                entry.holders.insert(self.id, self.peer.pid);
+                Ok(entry.id)
+            }
         };
         if outcome.is_err() {
             if let Some(entry) = state.entries.get(&what) {
@@ -501,7 +550,8 @@ impl Connection<'_> {
             keeper: Status {
                 pid: std::process::id(),
                 budget: self.keeper.budget,
-                used: Keeper::used(&state),
+                used: Keeper::used(&state, HOST),
+                device_budget: self.keeper.device_budget,
                 dir: self.keeper.dir.display().to_string(),
             },
             entries,

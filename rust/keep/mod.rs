@@ -56,9 +56,14 @@ use crate::source::budget;
 pub const KEEP_DIR_ENV: &str = "FASTSAFETENSORS_KEEP_DIR";
 /// The memory the keeper may hold: a size or `unlimited` (default: half the machine's memory).
 pub const KEEP_MEMORY_ENV: &str = "FASTSAFETENSORS_KEEP_MEMORY";
+/// The memory the keeper may hold on each GPU: a size or `unlimited` (the default: what the
+/// GPU's memory takes; a fill that finds too little is not kept).
+pub const KEEP_DEVICE_MEMORY_ENV: &str = "FASTSAFETENSORS_KEEP_DEVICE_MEMORY";
 /// Seconds a keeper that holds nothing waits before it exits (default 300; 0: never).
 pub const KEEP_IDLE_ENV: &str = "FASTSAFETENSORS_KEEP_IDLE";
 
+/// The device of host entries (device entries are "cuda:UUID").
+pub const HOST: &str = "cpu";
 /// The keeper's program, installed beside the library.
 pub const PROGRAM: &str = "fastsafetensors-keeper";
 /// The socket's name in the directory.
@@ -107,13 +112,19 @@ pub fn prepare_dir(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The keeper's memory budget in bytes (`None`: unlimited).
+const SIZE: &str = "bytes with an optional K/M/G/T suffix (e.g. 64G), or 'unlimited'";
+
+/// The keeper's budget of host entries in bytes (`None`: unlimited).
 pub fn memory_budget() -> Result<Option<u64>> {
-    const SIZE: &str = "bytes with an optional K/M/G/T suffix (e.g. 64G), or 'unlimited'";
     Ok(match setting(KEEP_MEMORY_ENV, SIZE, budget::parse_size)? {
         Some(limit) => limit,
         None => budget::mem_total().map(|total| total / 2),
     })
+}
+
+/// The keeper's budget of entries on each GPU in bytes (`None`: unlimited).
+pub fn device_memory_budget() -> Result<Option<u64>> {
+    Ok(setting(KEEP_DEVICE_MEMORY_ENV, SIZE, budget::parse_size)?.flatten())
 }
 
 /// How long a keeper holding nothing waits before it exits (`None`: it never does).
@@ -130,6 +141,7 @@ pub fn idle_timeout() -> Result<Option<Duration>> {
 pub fn check_env() -> Result<()> {
     dir()?;
     memory_budget()?;
+    device_memory_budget()?;
     idle_timeout()?;
     Ok(())
 }
@@ -218,8 +230,11 @@ pub enum Reply {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Status {
     pub pid: u32,
+    /// The budget of host entries, and the bytes they hold.
     pub budget: Option<u64>,
     pub used: u64,
+    /// The budget of each GPU's entries.
+    pub device_budget: Option<u64>,
     pub dir: String,
 }
 
