@@ -29,9 +29,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
 use super::memfd::Memfd;
-use crate::device::vmm;
 use super::wire::{Listener, Peer, Socket};
 use super::{Describe, Listing, Reply, Request, Status, HOST, LOCK, SOCKET};
+use crate::device::vmm;
 use crate::error::{Error, Result};
 
 /// How the keeper runs.

@@ -110,18 +110,23 @@ impl Planned {
             .sources
             .iter()
             .zip(&how)
-            .map(|(src, &h)| h.owns_memory().then(|| BlockReader::open(Arc::clone(src), h == HostRead::Direct)).transpose())
+            .map(|(src, &h)| {
+                h.owns_memory().then(|| BlockReader::open(Arc::clone(src), h == HostRead::Direct)).transpose()
+            })
             .collect::<Result<Vec<_>>>()?;
         let holding = Arc::new(Holding::default());
         let read = |(e, span): (&Extent, &Span)| -> Result<Arc<HostBuffer>> {
             let path = self.sources[e.file].path();
             let reader = readers[e.file].as_ref().expect("a reader for every file read");
-            let map =
-                memory.map_shared(span.offset, span.len as usize).map_err(|err| Error::io(path, "map the entry of", err))?;
+            let map = memory
+                .map_shared(span.offset, span.len as usize)
+                .map_err(|err| Error::io(path, "map the entry of", err))?;
             let buffer = held(HostBuffer::new(map, reader.path()), &holding);
             let buffer = direct::read_extent_in(reader, e, options.block, self.checks.file(e.file), buffer)?;
             // Read: from now on the tensors' writes stay in this process.
-            memory.make_private(buffer.mapping(), span.offset).map_err(|err| Error::io(path, "remap the entry of", err))?;
+            memory
+                .make_private(buffer.mapping(), span.offset)
+                .map_err(|err| Error::io(path, "remap the entry of", err))?;
             Ok(buffer)
         };
         let pairs: Vec<_> = extents.iter().zip(&entry.buffers).collect();
