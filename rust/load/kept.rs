@@ -25,7 +25,7 @@ use std::sync::{Arc, OnceLock};
 
 use rayon::prelude::*;
 
-use super::{choose_reads, DeviceCopy, DeviceOptions, DeviceTarget, LoadOptions, Loaded, Planned};
+use super::{choose_reads, host_readers, DeviceCopy, DeviceOptions, DeviceTarget, LoadOptions, Loaded, Planned};
 use crate::device::gds::GdsMode;
 use crate::device::vmm::{self, Access, Mapping, Physical};
 use crate::error::{Error, Result};
@@ -34,7 +34,7 @@ use crate::keep::memfd::Memfd;
 use crate::keep::{self, key, Describe, Span, HOST};
 use crate::plan::Extent;
 use crate::source::direct::{self, BlockReader};
-use crate::source::{io_pool, HostBuffer, HostRead, ReadPath};
+use crate::source::{io_pool, HostBuffer, ReadPath};
 
 impl Planned {
     /// [`Planned::read_to_host`], with the bytes kept between processes (see the module).
@@ -106,14 +106,7 @@ impl Planned {
             Ok(memory) => memory,
             Err(e) => return self.read_unkept(options, &format!("no memory file for the entry: {e}")),
         };
-        let readers = self
-            .sources
-            .iter()
-            .zip(&how)
-            .map(|(src, &h)| {
-                h.owns_memory().then(|| BlockReader::open(Arc::clone(src), h == HostRead::Direct)).transpose()
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let readers = host_readers(&self.sources, &how)?;
         let holding = Arc::new(Holding::default());
         let read = |(e, span): (&Extent, &Span)| -> Result<Arc<HostBuffer>> {
             let path = self.sources[e.file].path();

@@ -288,14 +288,7 @@ impl Planned {
         let extents = self.host_extents(options)?;
         let verified = !self.checks.files.is_empty();
         let how = choose_reads(&self.sources, &extents, options.reader, true, verified)?;
-        let readers = self
-            .sources
-            .iter()
-            .zip(&how)
-            .map(|(src, &h)| {
-                h.owns_memory().then(|| BlockReader::open(Arc::clone(src), h == HostRead::Direct)).transpose()
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let readers = host_readers(&self.sources, &how)?;
         let read = |e: &Extent| -> Result<Arc<HostBuffer>> {
             match (&readers[e.file], how[e.file]) {
                 (Some(reader), _) => direct::read_extent(reader, e, options.block, self.checks.file(e.file)),
@@ -543,6 +536,15 @@ pub(crate) fn choose_reads<'a>(
         map_what_does_not_fit(&mut how, &wanted, &mappable, reader)?;
     }
     Ok(how)
+}
+
+/// A reader for each file read into memory of the load's own (`how`); none for files mapped
+/// or with nothing to read.
+pub(crate) fn host_readers(sources: &[Arc<dyn Source>], how: &[HostRead]) -> Result<Vec<Option<BlockReader>>> {
+    let open = |(src, &h): (&Arc<dyn Source>, &HostRead)| {
+        h.owns_memory().then(|| BlockReader::open(Arc::clone(src), h == HostRead::Direct)).transpose()
+    };
+    sources.iter().zip(how).map(open).collect()
 }
 
 /// Makes the direct reads of a load fit the host-memory limit. With the `auto` reader, files
