@@ -356,6 +356,13 @@ fn kept_device_memory_is_filled_once_and_attached_read_only() {
     assert!(again.files.iter().all(|c| c.path != ReadPath::Kept));
     drop(again);
     client::command(&Request::Stop).unwrap();
+    // A keeper whose budget on each GPU is less than the entry: not kept (the caller loads as
+    // without keep); the host's budget does not count device entries.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    std::env::set_var("FASTSAFETENSORS_KEEP_DEVICE_MEMORY", "1M");
+    assert!(kept_load().is_none(), "2 MiB kept on a GPU whose budget is 1 MiB");
+    std::env::remove_var("FASTSAFETENSORS_KEEP_DEVICE_MEMORY");
+    client::command(&Request::Stop).unwrap();
     let _ = std::fs::remove_dir_all(&keep_dir);
     fake.assert_no_violations();
 }

@@ -157,3 +157,24 @@ fn entries_stay_within_the_budget() {
     assert!(files.contains(&name(0)) && files.contains(&name(2)), "the held one stays: {files:?}");
     drop(held);
 }
+
+#[test]
+fn a_keeper_holding_nothing_exits_after_its_idle_time() {
+    let keeper = Keeper::new("idle", None);
+    std::env::set_var("FASTSAFETENSORS_KEEP_IDLE", "1");
+    let path = keeper.dir.write("model.safetensors", &safetensors(TENSORS, 8));
+    drop(load(std::slice::from_ref(&path)));
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    assert_eq!(keeper.list().len(), 1, "an entry is something held: the keeper stays");
+    match client::command(&Request::Drop { path: path.to_string_lossy().into_owned() }).unwrap() {
+        Some(Reply::Dropped { count: 1 }) => {}
+        other => panic!("{other:?}"),
+    }
+    let socket = keeper.dir.0.join("keeper").join(fastsafetensors::keep::SOCKET);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while socket.exists() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(!socket.exists(), "the keeper exited, removing its socket");
+    assert!(client::command(&Request::List).unwrap().is_none(), "no keeper answers");
+}
