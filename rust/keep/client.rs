@@ -19,6 +19,9 @@ use crate::error::{Error, Result};
 
 /// How long a load waits for a keeper it started to listen.
 const START_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a load waits for any answer of the keeper's (one waiting for another process's
+/// fill is told every second that it goes on): a keeper that stopped answering is given up.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The keeper program set by [`set_program`], if any.
 static PROGRAM_OVERRIDE: Mutex<Option<PathBuf>> = Mutex::new(None);
@@ -89,7 +92,7 @@ impl Filling {
     /// keeper; the hold on the entry, or why it is not kept (the memory stays this process's).
     pub fn put(self, memory: BorrowedFd<'_>) -> std::result::Result<Hold, String> {
         self.conn.send(&Request::Put, Some(memory)).map_err(|e| went_away(&e))?;
-        match self.conn.recv::<Reply>() {
+        match answer(&self.conn) {
             Ok(Some((Reply::Taken { .. }, _))) => Ok(Hold { _conn: self.conn }),
             Ok(Some((Reply::Refused { why } | Reply::NotKept { why }, _))) => Err(why),
             Ok(Some((other, _))) => Err(format!("unexpected answer from the keeper: {other:?}")),
@@ -99,7 +102,20 @@ impl Filling {
     }
 }
 
+/// The keeper's next answer that is not `Waiting`.
+fn answer(conn: &Socket) -> std::io::Result<Option<(Reply, Option<OwnedFd>)>> {
+    loop {
+        match conn.recv::<Reply>()? {
+            Some((Reply::Waiting, _)) => continue,
+            other => return Ok(other),
+        }
+    }
+}
+
 fn went_away(e: &std::io::Error) -> String {
+    if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {
+        return format!("the keeper did not answer within {} s", ANSWER_TIMEOUT.as_secs());
+    }
     format!("the keeper went away ({e})")
 }
 
@@ -116,8 +132,9 @@ fn try_attach(entry: &Describe) -> std::result::Result<Attach, String> {
     let dir = super::dir().map_err(|e| e.to_string())?;
     super::prepare_dir(&dir).map_err(|e| e.to_string())?;
     let conn = connect_or_start(&dir)?;
+    conn.set_read_timeout(Some(ANSWER_TIMEOUT)).map_err(|e| went_away(&e))?;
     conn.send(&Request::Attach { entry: entry.clone() }, None).map_err(|e| went_away(&e))?;
-    match conn.recv::<Reply>() {
+    match answer(&conn) {
         Ok(Some((Reply::Kept { buffers, .. }, Some(memory)))) => {
             if buffers != entry.buffers {
                 return Err("the keeper's entry is laid out differently".into());
@@ -196,6 +213,7 @@ pub fn command(request: &Request) -> Result<Option<Reply>> {
         Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ECONNREFUSED)) => return Ok(None),
         Err(e) => return Err(Error::io(&socket, "connect to", e)),
     };
+    conn.set_read_timeout(Some(ANSWER_TIMEOUT)).map_err(|e| Error::io(&socket, "set a timeout on", e))?;
     conn.send(request, None).map_err(|e| Error::io(&socket, "send to", e))?;
     match conn.recv::<Reply>() {
         Ok(Some((Reply::Refused { why }, _))) => Err(Error::Keep(why)),

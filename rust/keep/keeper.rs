@@ -176,6 +176,9 @@ pub fn serve_locked(options: &Options, _lock: Lock) -> Result<Served> {
     Ok(Served::Done)
 }
 
+/// How often a load waiting for another's fill is told that the keeper is still there.
+const WAITING_EVERY: Duration = Duration::from_secs(1);
+
 /// Answers `conn` with a refusal, on a thread of its own: its request is read first (for a
 /// second at most), so that the process learns why rather than finding the connection closed.
 fn refuse(conn: Socket, why: String) {
@@ -429,6 +432,7 @@ impl Connection<'_> {
             return self.reply(&Reply::Refused { why: "one entry per connection".into() }, None);
         }
         let mut state = self.keeper.lock();
+        let mut told = Instant::now();
         loop {
             if state.stop {
                 drop(state);
@@ -470,6 +474,13 @@ impl Connection<'_> {
                     state = next;
                     if self.conn.hung_up() {
                         return false;
+                    }
+                    // Said now and then, so that the waiting load knows the keeper is alive.
+                    if told.elapsed() >= WAITING_EVERY {
+                        told = Instant::now();
+                        if !self.reply(&Reply::Waiting, None) {
+                            return false;
+                        }
                     }
                 }
                 None => {

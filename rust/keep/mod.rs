@@ -200,6 +200,8 @@ pub enum Reply {
         id: u64,
         buffers: Vec<Span>,
     },
+    /// Another process fills the entry: the answer comes once it has put it (or given up).
+    Waiting,
     /// Nobody holds the entry: fill it and `Put` it (the budget is reserved).
     Fill {
         id: u64,
