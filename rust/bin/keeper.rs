@@ -12,13 +12,12 @@
 //! is `FASTSAFETENSORS_KEEP_DIR`'s unless `--dir` names one; the budget is
 //! `FASTSAFETENSORS_KEEP_MEMORY`.
 
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use fastsafetensors::keep::keeper::{self, Lock, Options, Served};
-use fastsafetensors::keep::{KEEP_IDLE_ENV, LOG};
+use fastsafetensors::keep::{sys, KEEP_IDLE_ENV, LOG};
 
 fn main() -> ExitCode {
     match run() {
@@ -83,18 +82,6 @@ fn background(log: &std::path::Path) -> Result<bool, String> {
         .mode(0o600)
         .open(log)
         .map_err(|e| format!("{}: {e}", log.display()))?;
-    // SAFETY: the process is single-threaded here, so the child may run anything after fork.
-    match unsafe { libc::fork() } {
-        -1 => Err(format!("fork failed: {}", std::io::Error::last_os_error())),
-        0 => {
-            // SAFETY: setsid and dup2 on descriptors this process owns.
-            unsafe {
-                libc::setsid();
-                libc::dup2(log.as_raw_fd(), 1);
-                libc::dup2(log.as_raw_fd(), 2);
-            }
-            Ok(true)
-        }
-        _ => Ok(false),
-    }
+    // Single-threaded here: no thread has started yet.
+    sys::background(&log).map_err(|e| format!("fork failed: {e}"))
 }

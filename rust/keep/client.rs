@@ -6,13 +6,12 @@
 //! on reading as it would without `keep`.
 
 use std::os::fd::{BorrowedFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use super::sys;
 use super::wire::Socket;
 use super::{Describe, Reply, Request, Span, PROGRAM, SOCKET};
 use crate::error::{Error, Result};
@@ -37,25 +36,10 @@ pub fn program() -> Option<PathBuf> {
     if let Some(p) = PROGRAM_OVERRIDE.lock().unwrap_or_else(|p| p.into_inner()).clone() {
         return Some(p);
     }
-    if let Some(beside) = library_dir().map(|d| d.join(PROGRAM)).filter(|p| p.is_file()) {
+    if let Some(beside) = sys::library_dir().map(|d| d.join(PROGRAM)).filter(|p| p.is_file()) {
         return Some(beside);
     }
     std::env::var_os("PATH")?.to_str()?.split(':').map(|d| Path::new(d).join(PROGRAM)).find(|p| p.is_file())
-}
-
-/// The directory of the shared library (or program) this code is part of.
-fn library_dir() -> Option<PathBuf> {
-    // SAFETY: dladdr reads the loader's tables for an address in this library and fills `info`;
-    // `dli_fname` is a NUL-terminated string the loader owns while the library is loaded.
-    let name = unsafe {
-        let mut info: libc::Dl_info = std::mem::zeroed();
-        if libc::dladdr(library_dir as *const libc::c_void, &mut info) == 0 || info.dli_fname.is_null() {
-            return None;
-        }
-        std::ffi::CStr::from_ptr(info.dli_fname).to_bytes().to_vec()
-    };
-    let path = PathBuf::from(std::ffi::OsStr::from_bytes(&name));
-    std::fs::canonicalize(path).ok()?.parent().map(Path::to_owned)
 }
 
 /// The answer to a load's `attach`.
@@ -185,16 +169,7 @@ fn start(dir: &Path) -> std::result::Result<(), String> {
     })?;
     let mut command = Command::new(&program);
     command.arg("--spawned").arg("--dir").arg(dir).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
-    // SAFETY: runs in the child between fork and exec, and only makes a system call that is
-    // async-signal-safe.
-    unsafe {
-        command.pre_exec(|| {
-            // Descriptors this process left inheritable (other libraries' sockets, pipes) would
-            // stay open in the keeper for as long as it runs.
-            libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32);
-            Ok(())
-        });
-    }
+    sys::close_inherited(&mut command);
     let out = command.output().map_err(|e| format!("{}: could not start the keeper: {e}", program.display()))?;
     if !out.status.success() {
         let said = String::from_utf8_lossy(&out.stderr);

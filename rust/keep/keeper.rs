@@ -21,7 +21,7 @@
 use std::collections::HashMap;
 use std::fs::OpenOptions;
 use std::io::Write;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -29,6 +29,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
 use super::memfd::Memfd;
+use super::sys;
 use super::wire::{Listener, Peer, Socket};
 use super::{Describe, Listing, Reply, Request, Status, HOST, LOCK, SOCKET};
 use crate::device::vmm;
@@ -86,8 +87,7 @@ impl Lock {
             .mode(0o600)
             .open(&path)
             .map_err(|e| Error::io(&path, "open", e))?;
-        // SAFETY: flock on a descriptor we own.
-        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        if !sys::try_lock(&file) {
             let pid = std::fs::read_to_string(&path).ok().and_then(|s| s.trim().parse().ok());
             return Ok(Err(pid));
         }
@@ -147,8 +147,7 @@ pub fn serve_locked(options: &Options, _lock: Lock) -> Result<Served> {
                 continue;
             }
         };
-        // SAFETY: geteuid cannot fail.
-        let uid = unsafe { libc::geteuid() };
+        let uid = sys::euid();
         if peer.uid != uid {
             let why = format!(
                 "refused: this keeper serves uid {uid} only, and process {} runs as uid {}",

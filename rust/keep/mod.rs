@@ -23,6 +23,8 @@
 //!   mappings and seals);
 //! - [`wire`]: the Unix socket between loads and the keeper (the `unsafe` of `SCM_RIGHTS` and
 //!   `SO_PEERCRED`), and here the messages that cross it;
+//! - [`sys`]: the process-level calls (the `unsafe` of the uid, the keeper's lock, where the
+//!   library is installed, and the keeper's own session);
 //! - [`key`]: what identifies an entry: the files (device, inode, size, times and a sampled
 //!   fingerprint of a local file; ETag or version of an object), the byte ranges, the device
 //!   and the digests the bytes were verified against;
@@ -38,6 +40,7 @@ pub mod client;
 pub mod keeper;
 pub mod key;
 pub mod memfd;
+pub mod sys;
 pub mod wire;
 
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
@@ -80,8 +83,7 @@ pub fn dir() -> Result<PathBuf> {
     let given =
         setting(KEEP_DIR_ENV, "an absolute directory path", |v| Path::new(v).is_absolute().then(|| PathBuf::from(v)))?;
     Ok(given.unwrap_or_else(|| {
-        // SAFETY: geteuid cannot fail.
-        let uid = unsafe { libc::geteuid() };
+        let uid = sys::euid();
         let root = if Path::new("/dev/shm").is_dir() { Path::new("/dev/shm") } else { Path::new("/tmp") };
         root.join(format!("fastsafetensors-keep-{uid}"))
     }))
@@ -96,8 +98,7 @@ pub fn prepare_dir(dir: &Path) -> Result<()> {
         Err(e) => return Err(Error::io(dir, "create the keep directory", e)),
     }
     let meta = std::fs::symlink_metadata(dir).map_err(|e| Error::io(dir, "stat the keep directory", e))?;
-    // SAFETY: geteuid cannot fail.
-    let uid = unsafe { libc::geteuid() };
+    let uid = sys::euid();
     let mode = meta.permissions().mode() & 0o777;
     if !meta.is_dir() {
         return Err(Error::Keep(format!("{}: not a directory ({KEEP_DIR_ENV} names the keeper's)", dir.display())));
