@@ -6,17 +6,19 @@
 //! with `keep` goes through [`client`]:
 //!
 //! ```no_run
-//! use fastsafetensors::keep::{client, Describe};
+//! use fastsafetensors::keep::{client, memfd::Memfd, Describe};
 //! # fn describe() -> Describe { unimplemented!() }
 //! let entry: Describe = describe(); // what the load asks for ([`key::describe`])
 //! match client::attach(&entry) {
 //!     client::Attach::Kept(kept) => { /* map kept.memory's buffers: nothing is read */ }
 //!     client::Attach::Fill(filling) => {
-//!         // read into filling.memory() (shared mappings), make them private, then:
-//!         let _held = filling.put();
+//!         let memory = Memfd::create("model", entry.len)?;
+//!         // read into shared mappings of it, make them private, seal it, then:
+//!         let _held = filling.put(memory.fd());
 //!     }
 //!     client::Attach::NotKept(why) => eprintln!("read as usual: {why}"),
 //! }
+//! # Ok::<(), std::io::Error>(())
 //! ```
 //!
 //! - [`memfd`]: the host memory of an entry, a memory file sealed once filled (the `unsafe` of
