@@ -65,6 +65,8 @@ OPTIONS: Dict[str, str] = {
     "nogds": "CUDA: true never uses GPUDirect Storage, false requires it; default: where available",
     "device": "where tensors are loaded (default: vLLM's load device, else the worker's GPU, else cpu)",
     "prefetch": "CUDA: load file by file in bulk, this many files ahead in a background thread (default 0: stream)",
+    "keep": "true keeps the weights in memory that outlives the engine (docs/keep.md): a restarted engine, or "
+            "another on the node, attaches to them instead of reading; each rank loads on its own (share 'none')",
     "max_memory": "the memory the stream's buffers may hold, e.g. '1G' (default: $FASTSAFETENSORS_MAX_MEMORY, else 1 GiB)",
     "share": "the ranks that read the checkpoint together, each byte once: 'tp' (default: the tensor-parallel "
              "group), 'world' (every rank of the engine), 'none' (each rank reads everything)",
@@ -73,8 +75,6 @@ OPTIONS: Dict[str, str] = {
     "verify": "check every byte loaded: {'signature': 'model.sig', 'public_key': 'key.pub'} (or "
               "'certificate_chain': [...]), {'digests': {file: 'sha256:...'}}, or true (a Hugging Face cache's blob "
               "names); each rank then reads and checks every file itself (share 'none')",
-    "keep": "true keeps the weights in memory that outlives the engine (docs/keep.md): a restarted engine, or "
-            "another on the node, attaches to them instead of reading; each rank loads on its own (share 'none')",
 }
 SHARE = ("tp", "world", "none")
 
