@@ -123,10 +123,7 @@ impl OpenFiles {
     fn shared_check(&self, path: &Path) -> Result<Arc<FileCheck>> {
         let checks = self.shared_checks.lock().unwrap_or_else(PoisonError::into_inner);
         checks.files.iter().find(|c| c.path() == path).cloned().ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "{}: no verified shared load of it was planned from this handle",
-                path.display()
-            ))
+            Error::InvalidArgument(format!("{}: no verified shared load of it was planned from this handle", path.display()))
         })
     }
 
