@@ -363,7 +363,8 @@ def test_keep_in_the_extra_config_attaches_the_next_load(checkpoint, tmp_path, m
 
     from fastsafetensors_rs import keep
 
-    monkeypatch.setenv("FASTSAFETENSORS_KEEP_DIR", tempfile.mkdtemp(prefix="fstk-", dir="/tmp") + "/k")
+    scratch = tempfile.mkdtemp(prefix="fstk-", dir="/tmp")  # a short path: socket addresses hold 107 bytes
+    monkeypatch.setenv("FASTSAFETENSORS_KEEP_DIR", scratch + "/k")
     config = harness.vllm_config(checkpoint, FORMAT)
     try:
         for _ in range(2):
@@ -373,3 +374,4 @@ def test_keep_in_the_extra_config_attaches_the_next_load(checkpoint, tmp_path, m
         assert entry["attaches"] == 1 and entry["device"] == "cpu", entry
     finally:
         keep.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
