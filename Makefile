@@ -156,11 +156,13 @@ cpp-example: $(CPP_EXAMPLE)
 # (bench/save.py: beside safetensors, IBM's fastsafetensors 0.5, torch.save and dd; IBM's
 # package goes into build/bench-peers/ on first use, never into .venv), then the same kind of
 # checkpoint from a local S3 server (bench/remote.py: Garage on 127.0.0.1, beside curl's
-# ranged GETs, boto3 and Run:ai).
+# ranged GETs, boto3 and Run:ai). bench/keep.py: what a restart costs with keep=True (attach
+# against cold, warm and verified loads; the first, filling load; 4 processes' PSS of one entry).
 bench: build garage
 	$(PY) bench/bench.py $(BENCH_ARGS)
 	$(PY) bench/verify.py $(BENCH_VERIFY_ARGS)
 	$(PY) bench/save.py $(BENCH_SAVE_ARGS)
+	$(PY) bench/keep.py $(BENCH_KEEP_ARGS)
 	$(MAKE) --no-print-directory bench-remote
 
 # The same server and clients on loopback, then through the delaying proxy at 20 and 80 ms of

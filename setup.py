@@ -41,6 +41,8 @@ MIN_TORCH = (2, 8)  # csrc uses kFloat4_e2m1fn_x2 and kFloat8_e8m0fnu, new in to
 # The extension uses only libtorch (ops are registered with the dispatcher and loaded with
 # torch.ops.load_library), never the Python C API: one wheel serves every CPython >= this.
 LIMITED_API = "cp310"
+# The keeper of kept weights: a program of the crate, installed beside the library.
+KEEPER = "fastsafetensors-keeper"
 
 
 def _debug() -> bool:
@@ -126,6 +128,7 @@ def _torch_build_ext():
             for ext in self.extensions:
                 library = self.get_ext_fullpath(ext.name)
                 _remove_other_builds(library)
+                _install_keeper(cargo_out, os.path.dirname(library), info["debug"])
                 with open(os.path.join(os.path.dirname(library), build_info.FILE), "w", encoding="utf-8") as f:
                     json.dump(info, f, indent=1, sort_keys=True)
                     f.write("\n")
@@ -140,6 +143,8 @@ def _torch_build_ext():
                 _remove_other_builds(inplace_library)
                 self.copy_file(os.path.join(os.path.dirname(built_library), build_info.FILE),
                                os.path.join(os.path.dirname(inplace_library), build_info.FILE))
+                self.copy_file(os.path.join(os.path.dirname(built_library), KEEPER),
+                               os.path.join(os.path.dirname(inplace_library), KEEPER))
 
         def _configure(self, ext):
             torch_ext = CppExtension(ext.name, ext.sources, py_limited_api=True)
@@ -178,7 +183,7 @@ def _cargo_build(profile, target):
     """`cargo build` of the staticlib. cargo's messages stream through as it runs; on failure
     its error lines are repeated last, with the free disk space, because pip's and CI's logs
     often keep only the tail (a traceback) of a failed build."""
-    cmd = ["cargo", "build", "--locked", "--lib", "--profile", profile, "--target-dir", target]
+    cmd = ["cargo", "build", "--locked", "--lib", "--bin", KEEPER, "--profile", profile, "--target-dir", target]
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True, errors="replace")
     errors = []
     for line in proc.stderr:
@@ -192,6 +197,16 @@ def _cargo_build(profile, target):
         raise SystemExit(
             f"fastsafetensors-rs: `{' '.join(cmd)}` failed (exit {proc.returncode}), "
             f"{free / 2**30:.1f} GiB free under {target}:\n" + "\n".join(errors[-60:]))
+
+
+def _install_keeper(cargo_out, package_dir, debug):
+    """The keeper program (rust/bin/keeper.rs: the process `keep=` loads start) beside the
+    library, where the library looks for it; without its DWARF but in debug builds."""
+    dst = os.path.join(package_dir, KEEPER)
+    shutil.copy2(os.path.join(cargo_out, KEEPER), dst)
+    strip = shutil.which("strip")
+    if strip and not debug:
+        subprocess.run([strip, "--strip-debug", dst], check=True)
 
 
 def _abi(release, build_info) -> str:

@@ -58,13 +58,15 @@ std::string dtype_name(std::optional<ScalarType> dtype) {
   return dtype ? std::string(rs::torch_dtype_name(static_cast<int32_t>(*dtype))) : "";
 }
 
-// One host buffer of the Rust loader, shared by the tensors in it: each tensor's storage holds
-// a count (its context), which costs no allocation per tensor (checkpoints of 100k tensors).
-class SharedBuffer {
+// One buffer of the Rust loader (a host buffer, or kept device memory), shared by the tensors
+// in it: each tensor's storage holds a count (its context), which costs no allocation per
+// tensor (checkpoints of 100k tensors).
+template <class Ref>
+class Shared {
  public:
   // The buffer, with one count held by the returned handle.
-  static std::unique_ptr<SharedBuffer, void (*)(SharedBuffer*)> take(::rust::Box<rs::BufferRef> ref) {
-    return {new SharedBuffer(std::move(ref)), [](SharedBuffer* b) { release(b); }};
+  static std::unique_ptr<Shared, void (*)(Shared*)> take(::rust::Box<Ref> ref) {
+    return {new Shared(std::move(ref)), [](Shared* b) { release(b); }};
   }
 
   uint8_t* base() const { return base_; }
@@ -76,19 +78,19 @@ class SharedBuffer {
   }
 
   static void release(void* ctx) {
-    auto* self = static_cast<SharedBuffer*>(ctx);
+    auto* self = static_cast<Shared*>(ctx);
     if (self->refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete self;
   }
 
  private:
-  explicit SharedBuffer(::rust::Box<rs::BufferRef> ref)
-      : ref_(std::move(ref)), base_(reinterpret_cast<uint8_t*>(ref_->address())) {}
+  explicit Shared(::rust::Box<Ref> ref) : ref_(std::move(ref)), base_(reinterpret_cast<uint8_t*>(ref_->address())) {}
 
-  ::rust::Box<rs::BufferRef> ref_;
+  ::rust::Box<Ref> ref_;
   uint8_t* base_;
   std::atomic<size_t> refs_{1};
 };
 
+using SharedBuffer = Shared<rs::BufferRef>;
 using Buffer = std::unique_ptr<SharedBuffer, void (*)(SharedBuffer*)>;
 
 std::vector<int64_t> shape_of(const rs::TensorSpec& t) { return {t.shape.begin(), t.shape.end()}; }
@@ -204,19 +206,79 @@ LoadResult load_to_cuda(const rs::PlannedFiles& planned, const std::string& read
   return {std::move(names), std::move(list), std::move(read_paths)};
 }
 
-// The selected tensors of `files` on `device`, in read order, and how each file was read.
-LoadResult load_named(Strings files, std::string device, std::optional<ScalarType> dtype,
+// Every file's tensors in kept memory on a CUDA device (read-only: docs/keep.md), each a view
+// holding it, cast or copied out where Rust says.
+LoadResult kept_cuda_tensors(const rs::PlannedFiles& planned, ::rust::Box<rs::KeptDevice> kept) {
+  const int32_t device = cuda_device(planned.target());
+  const auto copies = kept->file_copies();
+  auto memory = Shared<rs::KeptDevice>::take(std::move(kept));
+  Strings read_paths;
+  for (const auto& c : copies) read_paths.emplace_back(c.path);
+  NamedTensors tensors;
+  for (size_t g = 0; g < planned.device_group_count(); ++g) {
+    const auto files = planned.device_group_files(g);
+    for (const auto& spec : planned.device_group_specs(g)) {
+      const auto type = scalar_type(view(spec.dtype));
+      auto* data = memory->base() + copies[files[spec.buffer]].offset + spec.offset;
+      using Memory = Shared<rs::KeptDevice>;
+      const auto bytes = static_cast<int64_t>(spec.nbytes);
+      Tensor t = spec.nbytes == 0 ? tt::empty(shape_of(spec), type, device)
+                 : spec.copy ? tt::reinterpret(tt::clone(tt::view_of<&Memory::release>(
+                                                   data, {bytes}, ScalarType::Byte, memory->acquire(), device)),
+                                               type, shape_of(spec))
+                             : tt::view_of<&Memory::release>(data, shape_of(spec), type, memory->acquire(), device);
+      add(tensors, spec, std::move(t));
+    }
+  }
+  auto& [names, list] = tensors;
+  return {std::move(names), std::move(list), std::move(read_paths)};
+}
+
+// The selected tensors of `files` on `device`, in read order, and how each file was read;
+// `keep`: the bytes kept between processes (Rust decides where they come from).
+LoadResult load_files(Strings files, std::string device, std::optional<ScalarType> dtype,
                       std::optional<std::string> reader, std::optional<bool> nogds,
-                      std::optional<Strings> tensor_filter, std::string tensor_name_match_mode, int64_t handle) {
+                      std::optional<Strings> tensor_filter, std::string tensor_name_match_mode, int64_t handle,
+                      bool keep) {
   const auto paths = to_rust(files);
   const auto chosen = selection(tensor_filter, tensor_name_match_mode);
   auto planned = call_rust([&] { return rs::plan_load(paths, chosen, device, dtype_name(dtype), handle); });
   const std::string how = reader.value_or("");
-  if (planned->route() == rs::Route::Device) return load_to_cuda(*planned, how, nogds);
+  if (planned->route() == rs::Route::Device) {
+    if (keep) {
+      const auto on = static_cast<size_t>(cuda_device(planned->target()));
+      auto kept = call_rust([&] { return planned->copy_to_cuda_kept(on, how); });
+      if (kept->kept()) return kept_cuda_tensors(*planned, std::move(kept));
+    }
+    return load_to_cuda(*planned, how, nogds);
+  }
   const int32_t to = planned->route() == rs::Route::HostThenDevice ? cuda_device(planned->target()) : -1;
-  auto files_read = call_rust([&] { return rs::read_to_host(std::move(planned), how); });
+  auto files_read = call_rust([&] {
+    return keep ? rs::read_to_host_kept(std::move(planned), how) : rs::read_to_host(std::move(planned), how);
+  });
   auto [names, tensors] = host_tensors(*files_read, to);
   return {std::move(names), std::move(tensors), from_rust(files_read->read_paths())};
+}
+
+LoadResult load_named(Strings files, std::string device, std::optional<ScalarType> dtype,
+                      std::optional<std::string> reader, std::optional<bool> nogds,
+                      std::optional<Strings> tensor_filter, std::string tensor_name_match_mode, int64_t handle) {
+  return load_files(std::move(files), std::move(device), dtype, std::move(reader), nogds, std::move(tensor_filter),
+                    std::move(tensor_name_match_mode), handle, false);
+}
+
+// `load_named` with the bytes kept between processes (see docs/keep.md).
+LoadResult load_kept(Strings files, std::string device, std::optional<ScalarType> dtype,
+                     std::optional<std::string> reader, std::optional<bool> nogds,
+                     std::optional<Strings> tensor_filter, std::string tensor_name_match_mode, int64_t handle) {
+  return load_files(std::move(files), std::move(device), dtype, std::move(reader), nogds, std::move(tensor_filter),
+                    std::move(tensor_name_match_mode), handle, true);
+}
+
+// A command to the running keeper ("list", "drop" with `path`, "stop"): its answer as JSON,
+// "" when none runs.
+std::string keep_command(std::string command, std::string path) {
+  return std::string(call_rust([&] { return rs::keep_command(command, path); }));
 }
 
 LoadResult load_with_report(Strings files, std::string device, std::optional<ScalarType> dtype,
@@ -577,6 +639,7 @@ FST_LIBRARY(m) {
   m.def("load" LOAD_ARGS ") -> (str[] names, Tensor[] tensors)");
   m.def("load_with_report" LOAD_ARGS ") -> (str[] names, Tensor[] tensors, str[] read_paths)");
   m.def("load_named" LOAD_ARGS ", int handle=-1) -> (str[] names, Tensor[] tensors, str[] read_paths)");
+  m.def("load_kept" LOAD_ARGS ", int handle=-1) -> (str[] names, Tensor[] tensors, str[] read_paths)");
 #undef LOAD_ARGS
   m.def("load_rows(str file, str name, int start, int stop, str? reader=None, int handle=-1) -> Tensor");
   m.def(
@@ -605,6 +668,7 @@ FST_LIBRARY(m) {
   m.def("open_handle(str[] files, str? cache_dir=None, str? verify=None) -> int");
   m.def("close_handle(int handle) -> bool");
   m.def("verify_tree(str dir, str verify) -> str[]");
+  m.def("keep_command(str command, str path=\"\") -> str");
   m.def("cancel_handle(int handle) -> bool");
   m.def("save(str[] names, Tensor[] tensors, str target, int max_shard_size=-1, str[]? metadata_keys=None,"
         " str[]? metadata_values=None, str max_memory=\"\") -> str[]");
@@ -618,6 +682,8 @@ FST_LIBRARY_IMPL(m) {
   m.impl("load", FST_KERNEL(load));
   m.impl("load_with_report", FST_KERNEL(load_with_report));
   m.impl("load_named", FST_KERNEL(load_named));
+  m.impl("load_kept", FST_KERNEL(load_kept));
+  m.impl("keep_command", FST_KERNEL(keep_command));
   m.impl("load_rows", FST_KERNEL(load_rows));
   m.impl("open_stream", FST_KERNEL(open_stream));
   m.impl("stream_next", FST_KERNEL(stream_next));

@@ -12,7 +12,9 @@
 //
 //   Tensor, ScalarType
 //   [[noreturn]] fail(message)               raises RuntimeError(message) in Python
-//   view_of<Release>(data, shape, type, ctx) a CPU tensor over `data`; Release(ctx) when it dies
+//   view_of<Release>(data, shape, type, ctx, cuda=-1)
+//                                            a tensor over `data` (CPU, or CUDA device `cuda`);
+//                                            Release(ctx) when it dies
 //   bytes_at(data, len)                      a CPU uint8 tensor over `data` (not owning it)
 //   empty(shape, type, cuda)                 new memory; cuda < 0: CPU, else that CUDA device
 //   narrow(t, start, len)                    rows [start, start + len) of dimension 0 (a view)

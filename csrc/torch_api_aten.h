@@ -18,11 +18,14 @@ using ScalarType = at::ScalarType;
 
 [[noreturn]] inline void fail(const std::string& message) { TORCH_CHECK(false, message); }
 
-// A CPU tensor over `data`, whose storage calls Release(ctx) when it is freed: the context
-// costs no allocation per tensor (checkpoints of 100k tensors).
+// A tensor over `data` (on the CPU, or CUDA device `cuda` >= 0), whose storage calls
+// Release(ctx) when it is freed: the context costs no allocation per tensor (checkpoints of
+// 100k tensors).
 template <void (*Release)(void*)>
-Tensor view_of(void* data, const std::vector<int64_t>& shape, ScalarType type, void* ctx) {
-  return at::for_blob(data, shape).context(ctx, Release).options(at::TensorOptions(type)).make_tensor();
+Tensor view_of(void* data, const std::vector<int64_t>& shape, ScalarType type, void* ctx, int32_t cuda = -1) {
+  auto options = at::TensorOptions(type);
+  if (cuda >= 0) options = options.device(c10::kCUDA, static_cast<c10::DeviceIndex>(cuda));
+  return at::for_blob(data, shape).context(ctx, Release).options(options).make_tensor();
 }
 
 inline Tensor bytes_at(void* data, int64_t len) { return at::from_blob(data, {len}, at::TensorOptions(at::kByte)); }

@@ -54,13 +54,15 @@ inline torch::stable::Device device(int32_t cuda) {
 
 }  // namespace detail
 
-// A CPU tensor over `data`, whose storage calls Release(ctx) when it is freed.
+// A tensor over `data` (on the CPU, or CUDA device `cuda` >= 0), whose storage calls
+// Release(ctx) when it is freed.
 template <void (*Release)(void*)>
-Tensor view_of(void* data, const std::vector<int64_t>& shape, ScalarType type, void* ctx) {
+Tensor view_of(void* data, const std::vector<int64_t>& shape, ScalarType type, void* ctx, int32_t cuda = -1) {
   const auto strides = detail::contiguous_strides(shape);
+  const int32_t device_type = cuda < 0 ? aoti_torch_device_type_cpu() : aoti_torch_device_type_cuda();
   AtenTensorHandle out = nullptr;
   FST_CHECK_CALL(torch_from_blob(data, static_cast<int64_t>(shape.size()), shape.data(),
-                                 strides.data(), 0, detail::shim_dtype(type), aoti_torch_device_type_cpu(), -1,
+                                 strides.data(), 0, detail::shim_dtype(type), device_type, cuda < 0 ? -1 : cuda,
                                  &out, aoti_torch_layout_strided(), nullptr, 0,
                                  [](void*, void* context) { Release(context); }, ctx));
   return Tensor(out);

@@ -201,10 +201,29 @@ mod ffi {
         /// Frees the pinned staging buffers kept for later CUDA loads; returns how many.
         fn release_staging_buffers() -> usize;
 
+        /// A kept load's memory on a CUDA device (see `load::kept`), mapped read-only and shared
+        /// by the tensors made in it: unmapped, and the keeper's hold let go, when dropped.
+        type KeptDevice;
+        /// `copy_to_cuda` of every file into kept memory on CUDA device `ordinal`: a kept
+        /// entry's, attached to, or new memory filled and handed to the keeper. Not `kept()`
+        /// where it is not kept (the reason is on stderr): the load then goes as without `keep`.
+        fn copy_to_cuda_kept(self: &PlannedFiles, ordinal: usize, reader: &str) -> Result<Box<KeptDevice>>;
+        fn kept(self: &KeptDevice) -> bool;
+        /// The device address of the memory's first byte.
+        fn address(self: &KeptDevice) -> u64;
+        /// How each file came there, and where its byte 0 is from `address()`.
+        fn file_copies(self: &KeptDevice) -> Vec<FileCopy>;
+
         /// Reads the planned tensors into host memory with `reader` ("auto", "direct", "mmap",
         /// or "" for the default): each file's selected byte ranges, as few buffers (extents).
         /// For `Route::HostThenDevice` the casts are left for after the move.
         fn read_to_host(planned: Box<PlannedFiles>, reader: &str) -> Result<Box<LoadedFiles>>;
+        /// `read_to_host`, the bytes kept between processes (see `load::kept`): a kept entry's
+        /// when the keeper holds this load's, else read into a new one and handed to it.
+        fn read_to_host_kept(planned: Box<PlannedFiles>, reader: &str) -> Result<Box<LoadedFiles>>;
+        /// A command to the running keeper, its answer as JSON: "list" (its entries), "drop"
+        /// (ends the entries of the files at or under `path`), "stop"; "" when none runs.
+        fn keep_command(command: &str, path: &str) -> Result<String>;
         /// Loads rows `[start, stop)` of tensor `name` of `path` into host memory, reading
         /// only their bytes (with a handle, found by name: the cost does not grow with the
         /// number of tensors).
@@ -424,6 +443,8 @@ pub struct LoadedFiles {
 
 pub struct BufferRef(Arc<HostBuffer>);
 
+pub struct KeptDevice(Option<crate::load::kept::KeptOnDevice>);
+
 pub struct ReadyEvent(driver::Event);
 
 pub struct DeviceTensorStream {
@@ -479,7 +500,7 @@ fn check_torch(planned: &Planned) -> Result<()> {
 /// Whether a buffer read this way is memory of its own, freed with its last tensor (a mapping
 /// is page cache: its views stay views).
 fn owns_memory(path: ReadPath) -> bool {
-    !matches!(path, ReadPath::Mmap | ReadPath::MmapFallback)
+    !matches!(path, ReadPath::Mmap | ReadPath::MmapFallback | ReadPath::Kept)
 }
 
 /// Specs of loaded tensors: buffer `k` is extent `k`. The names move into the specs: only
@@ -830,6 +851,13 @@ fn plan_load(
 }
 
 impl PlannedFiles {
+    fn copy_to_cuda_kept(&self, ordinal: usize, reader: &str) -> Result<Box<KeptDevice>> {
+        guard(|| {
+            let options = DeviceOptions { reader: reader_kind(reader)?, ..DeviceOptions::default() };
+            Ok(Box::new(KeptDevice(self.planned.copy_to_cuda_kept(ordinal, &options)?)))
+        })
+    }
+
     fn target(&self) -> DeviceSpec {
         DeviceSpec::from(&self.target)
     }
@@ -903,6 +931,20 @@ impl PlannedFiles {
     }
 }
 
+impl KeptDevice {
+    fn kept(&self) -> bool {
+        self.0.is_some()
+    }
+
+    fn address(&self) -> u64 {
+        self.0.as_ref().map_or(0, |k| k.mapping.address())
+    }
+
+    fn file_copies(&self) -> Vec<FileCopy> {
+        self.0.as_ref().map_or_else(Vec::new, |k| k.files.iter().map(|&c| c.into()).collect())
+    }
+}
+
 fn release_staging_buffers() -> usize {
     guard(|| Ok(load::release_staging_buffers())).unwrap_or(0)
 }
@@ -913,6 +955,29 @@ fn read_to_host(planned: Box<PlannedFiles>, reader: &str) -> Result<Box<LoadedFi
         let loaded = planned.read_to_host(&load_options(reader)?)?;
         // Moved to the device afterwards, tensors are copied there anyway: none is copied out.
         Ok(LoadedFiles::new(loaded, cast, route == Route::Host))
+    })
+}
+
+fn read_to_host_kept(planned: Box<PlannedFiles>, reader: &str) -> Result<Box<LoadedFiles>> {
+    guard(|| {
+        let PlannedFiles { planned, route, cast, .. } = *planned;
+        // Host entries: a CPU load, or a selection on CUDA (its tensors are moved from them).
+        let loaded = planned.read_to_host_kept(&load_options(reader)?)?;
+        Ok(LoadedFiles::new(loaded, cast, route == Route::Host))
+    })
+}
+
+fn keep_command(command: &str, path: &str) -> Result<String> {
+    use crate::keep::{client, Request};
+    guard(|| {
+        let request = match command {
+            "list" => Request::List,
+            "drop" => Request::Drop { path: path.to_owned() },
+            "stop" => Request::Stop,
+            other => return Err(Error::InvalidArgument(format!("keep command '{other}' (list, drop or stop)"))),
+        };
+        let reply = client::command(&request)?;
+        Ok(reply.map_or_else(String::new, |r| serde_json::to_string(&r).unwrap_or_default()))
     })
 }
 

@@ -113,6 +113,10 @@ pub enum Error {
     /// A request for an object failed after its retries (unreachable host, timeout, server error).
     #[error("{url}: {detail} (FASTSAFETENSORS_REMOTE_RETRIES and FASTSAFETENSORS_REMOTE_TIMEOUT set how long a request is retried)")]
     Remote { url: String, detail: String },
+    /// The keeper of kept weights cannot be used (its directory is unsafe, none is running for
+    /// a command to it, or it refused a request).
+    #[error("keep: {0}")]
+    Keep(String),
     /// A panic inside the loader, caught before it could cross the FFI boundary. Always a bug.
     #[error("internal error (please report): {0}")]
     Panic(String),

@@ -14,6 +14,9 @@
 //!   host-memory budget ([`source::budget`]);
 //! - [`device`]: device memory: the CUDA driver and cuFile layers, the pinned staging pipeline,
 //!   GPUDirect Storage, and a host-memory stand-in for tests;
+//! - [`keep`]: kept weights: sealed memory a keeper process holds between the processes that
+//!   load a checkpoint, matched by the files' identity and the load's result; a load with
+//!   `keep` maps it instead of reading ([`load::kept`]);
 //! - [`load`]: the loads that run those for a set of files: paths resolved to checkpoint files
 //!   ([`load::checkpoint`]), bulk loads to host or device, streams ([`load::stream`],
 //!   [`load::device_stream`]), files held open across loads ([`load::handle`]);
@@ -29,6 +32,7 @@ pub mod bridge;
 pub mod device;
 pub mod error;
 pub mod format;
+pub mod keep;
 pub mod load;
 pub mod plan;
 pub mod save;

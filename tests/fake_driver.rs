@@ -306,3 +306,76 @@ fn a_cufile_library_the_user_named_is_the_only_one_tried() {
     assert!(!err.contains("libcufile.so.1"), "other libraries were tried: {err}");
     fake.assert_no_violations();
 }
+
+/// `keep` to CUDA through the stand-in: the first load fills device memory of the virtual
+/// memory API through the staged path and puts it; the keeper (this crate's program, finding
+/// the same fake driver) imports and holds it; the next load imports it from the keeper and
+/// maps it read-only, reading nothing. Each load's handles go with it; the keeper's stay.
+#[test]
+fn kept_device_memory_is_filled_once_and_attached_read_only() {
+    use fastsafetensors::keep::{client, Reply, Request};
+    use fastsafetensors::source::ReadPath;
+
+    let (fake, _serial) = fake();
+    let dir = TempDir::new("fake-keep");
+    let keep_dir = std::env::temp_dir().join(format!("fstk-fake-{}", std::process::id()));
+    client::set_program(env!("CARGO_BIN_EXE_fastsafetensors-keeper"));
+    std::env::set_var("FASTSAFETENSORS_KEEP_DIR", &keep_dir);
+    std::env::set_var("LD_LIBRARY_PATH", &fake._dir.0);
+    let (paths, files) = checkpoint(&dir);
+    let kept_load = || plan_files(&paths).unwrap().copy_to_cuda_kept(1, &options(GdsMode::Require)).unwrap();
+    let first = kept_load().expect("kept");
+    assert!(first.files.iter().all(|c| c.path != ReadPath::Kept), "{:?}", first.files);
+    let second = kept_load().expect("attached");
+    assert!(second.files.iter().all(|c| c.path == ReadPath::Kept), "{:?}", second.files);
+    assert_ne!(first.mapping.address(), second.mapping.address());
+    for load in [&first, &second] {
+        for (copy, bytes) in load.files.iter().zip(&files) {
+            let at = (load.mapping.address() + copy.offset) as *const u8;
+            // SAFETY: the fake's device memory is host memory, mapped readable for this load.
+            let got = unsafe { std::slice::from_raw_parts(at, bytes.len()) };
+            assert!(got == &bytes[..], "a kept file differs");
+        }
+        assert_eq!(protection(load.mapping.address()), "r--s", "kept device memory is read-only");
+    }
+    assert_eq!(fake.count("fake_cufile_reads"), 0, "GPUDirect Storage is not used for kept memory");
+    drop((first, second));
+    assert_eq!(fake.count("fake_vmm_live"), 0, "a load's handles outlive it");
+    match client::command(&Request::List).unwrap() {
+        Some(Reply::Entries { entries, .. }) => {
+            assert_eq!(entries.len(), 1, "{entries:?}");
+            assert_eq!(entries[0].device, format!("cuda:fa{}01", "0".repeat(28)));
+            assert_eq!((entries[0].attaches, entries[0].holders.len()), (1, 0), "{entries:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // Stopped, the keeper lets go of it; the next load fills again.
+    client::command(&Request::Stop).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let again = kept_load().expect("kept");
+    assert!(again.files.iter().all(|c| c.path != ReadPath::Kept));
+    drop(again);
+    client::command(&Request::Stop).unwrap();
+    // A keeper whose budget on each GPU is less than the entry: not kept (the caller loads as
+    // without keep); the host's budget does not count device entries.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    std::env::set_var("FASTSAFETENSORS_KEEP_DEVICE_MEMORY", "1M");
+    assert!(kept_load().is_none(), "2 MiB kept on a GPU whose budget is 1 MiB");
+    std::env::remove_var("FASTSAFETENSORS_KEEP_DEVICE_MEMORY");
+    client::command(&Request::Stop).unwrap();
+    let _ = std::fs::remove_dir_all(&keep_dir);
+    fake.assert_no_violations();
+}
+
+/// The permissions `/proc/self/maps` shows for the mapping at `address` ("r--s").
+fn protection(address: u64) -> String {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    maps.lines()
+        .find_map(|line| {
+            let (range, rest) = line.split_once(' ')?;
+            let (start, end) = range.split_once('-')?;
+            let (start, end) = (u64::from_str_radix(start, 16).ok()?, u64::from_str_radix(end, 16).ok()?);
+            (start <= address && address < end).then(|| rest[..4].to_owned())
+        })
+        .expect("the address is mapped")
+}

@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 import torch
 
 from . import _ops, distributed
+from . import keep as _keep
 from ._dtypes import cast_dtype
 from ._errors import (INVALID_ARGUMENT, InvalidBackendError, SafetensorError, TensorKeyError, from_op, mapped_errors,
                       reraise)
@@ -281,6 +282,7 @@ def load(
     shard: Optional[Mapping[str, int]] = None,
     cache_dir: Optional[PathLike] = None,
     verify: Verify = None,
+    keep: bool = False,
 ) -> Dict[str, torch.Tensor]:
     """Loads every tensor (or the selected ones) of one or more files into one dict.
 
@@ -324,6 +326,13 @@ def load(
             True or "full" (see `fastsafetensors_rs.verify` and docs/verify.md): every file read
             is hashed as its bytes land, and the load returns only once every file matches;
             a mismatch raises an error naming the file and no tensor is returned.
+        keep: True keeps what the load read in memory that outlives the process, held by a
+            keeper process of this user (started on demand), so that a later load of the same
+            files, selection and device (with `verify=`, the same digests) in any process of
+            this user maps it in milliseconds instead of reading; the tensors are private
+            copy-on-write views of it. Where it cannot be kept (no keeper, a full
+            FASTSAFETENSORS_KEEP_MEMORY budget) the load reads as without it, saying why in one
+            line on stderr. See docs/keep.md.
 
     The tensors own their memory: no handle needs closing, and a buffer is freed when the last
     tensor into it is gone. With the "auto" reader, files whose direct reads would not fit in
@@ -331,7 +340,8 @@ def load(
     """
     if _is_serialized(files):
         given = [name for name, value in (("reader", reader), ("nogds", nogds), ("process_group", process_group),
-                                          ("shard", shard), ("cache_dir", cache_dir), ("verify", verify))
+                                          ("shard", shard), ("cache_dir", cache_dir), ("verify", verify),
+                                          ("keep", keep or None))
                  if value is not None]
         if given:
             raise ValueError(f"load(data) of serialized bytes takes device, dtype and tensor_filter only, "
@@ -339,6 +349,8 @@ def load(
         return load_bytes(files, device, dtype, tensor_filter=tensor_filter,
                           tensor_name_match_mode=tensor_name_match_mode)
     reader, nogds = _reader(reader), _nogds(nogds)
+    keep = _keep.check_keep(keep)
+    _keep.refuse_with_group(keep, process_group, shard)
     check_settings()
     paths = _paths(files)
     patterns, mode = _filter_args(tensor_filter, tensor_name_match_mode, paths)
@@ -360,7 +372,7 @@ def load(
     else:
         def run(load: Optional[_Interruptible]) -> Dict[str, torch.Tensor]:
             with _opened(paths, cache, load, checked) as (files, handle):
-                return _load(files, target, cast, reader, nogds, patterns, mode, handle)
+                return _load(files, target, cast, reader, nogds, patterns, mode, handle, keep)
 
         out = _Interruptible(target).run(run) if any(map(is_url, paths)) else run(None)
     _nothing_selected(patterns, mode, len(out), paths)
@@ -479,11 +491,12 @@ def _shared(process_group: Optional[ProcessGroup]) -> bool:
 
 
 def _load(paths: List[str], device: str, dtype: Optional[torch.dtype], reader: Optional[str], nogds: Optional[bool],
-          patterns: Optional[List[str]], mode: str, handle: int = -1) -> Dict[str, torch.Tensor]:
+          patterns: Optional[List[str]], mode: str, handle: int = -1, keep: bool = False) -> Dict[str, torch.Tensor]:
     """`load` of checked arguments; `handle`: the files a `safe_open` holds open, to read
-    instead of opening `paths` (-1: none)."""
+    instead of opening `paths` (-1: none); `keep`: kept between processes."""
+    op = ops.load_kept if keep else ops.load_named
     with _gc_paused():
-        names, tensors, read_paths = ops.load_named(paths, device, dtype, reader, nogds, patterns, mode, handle)
+        names, tensors, read_paths = op(paths, device, dtype, reader, nogds, patterns, mode, handle)
         out = dict(zip(names, tensors))
     _report(paths, read_paths)
     return out
@@ -503,6 +516,7 @@ def load_file(
     cache_dir: Optional[PathLike] = None,
     backend: Optional[str] = None,
     verify: Verify = None,
+    keep: bool = False,
 ) -> Dict[str, torch.Tensor]:
     """Loads one file (or a checkpoint directory or index), like
     `safetensors.torch.load_file`. See `load` for the arguments; `backend`: safetensors
@@ -511,7 +525,7 @@ def load_file(
     reader = _reader_or_backend(reader, backend)
     return load([filename], device=device, dtype=dtype, reader=reader, nogds=nogds, tensor_filter=tensor_filter,
                 tensor_name_match_mode=tensor_name_match_mode, process_group=process_group, shard=shard,
-                cache_dir=cache_dir, verify=verify)
+                cache_dir=cache_dir, verify=verify, keep=keep)
 
 
 def _is_serialized(files: Any) -> bool:
@@ -594,6 +608,7 @@ def stream(
     process_group: Optional[ProcessGroup] = None,
     cache_dir: Optional[PathLike] = None,
     verify: Verify = None,
+    keep: bool = False,
 ) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yields `(name, tensor)` for the selected tensors of `files`, in file order and within a
     file in the order of the data, each as soon as the group of tensors it was read with has
@@ -613,6 +628,9 @@ def stream(
             error before any tensor of a later file is handed out (tensors of the failing file
             may have been handed out already: use `load`, or `safe_open`, to get nothing from a
             file before it is checked). A verified stream reads whole files.
+        keep: as in `load`: the tensors of a kept load, handed out in read order once it has
+            returned (an attach maps them at once; the first, filling load reads the selection
+            whole into the kept memory first, outside `max_memory`).
 
     Memory a yielded tensor keeps alive: the buffer of the group it was read with, at most
     `max(group size, its own size)`, where a group is a quarter of `max_memory`, at most 32 MiB
@@ -625,6 +643,11 @@ def stream(
     the iterator is closed (`close()`, a `with` block) or dropped.
     """
     reader, budget = _reader(reader), _max_memory(max_memory)
+    if _keep.check_keep(keep):
+        _keep.refuse_with_group(keep, process_group)
+        return _keep.KeptTensors(load(files, device, dtype, reader, tensor_filter=tensor_filter,
+                                      tensor_name_match_mode=tensor_name_match_mode, cache_dir=cache_dir,
+                                      verify=verify, keep=True))
     check_settings()
     paths = _paths(files)
     patterns, mode = _filter_args(tensor_filter, tensor_name_match_mode, paths)
@@ -780,7 +803,8 @@ class safe_open:
     index is refused (load those with `load_file`). `cache_dir`: as in `load`. `verify`: as in
     `load`; a verified handle reads a file whole on its first `get_tensor` and returns its
     tensors only once the file has passed (`get_slice` rows need `full=True`, as a filtered
-    `load` does).
+    `load` does). `keep`: as in `load`; a kept handle loads a file whole (kept, or attached
+    to) on its first `get_tensor` or `get_slice` of it.
     """
 
     @mapped_errors
@@ -798,6 +822,7 @@ class safe_open:
         *,
         backend: Optional[str] = None,
         verify: Verify = None,
+        keep: bool = False,
     ):
         if framework not in ("pt", "torch", "pytorch"):
             raise ValueError(f"framework {framework!r} is not supported: only 'pt' (PyTorch)")
@@ -819,6 +844,8 @@ class safe_open:
         checked = verify_spec(verify, self._paths)
         # A verified handle hands out a file's tensors only once the file has passed.
         self._verified = checked is not None
+        # Kept: each file is loaded whole (kept, or attached to) on its first get_tensor.
+        self._keep = _keep.check_keep(keep)
         self._handle: int = ops.open_handle(self._paths, cache, checked)
         try:
             if callable(tensor_filter) and self._verified:
@@ -1003,7 +1030,7 @@ class _FileReader:
         selected = any(h._file_of.get(n) == h._paths.index(self._path) for n in h._selected) \
             if h._patterns is not None else True
         loaded = _load([self._path], h._device, None, h._reader, h._nogds, h._patterns if selected else None,
-                       h._mode, h._handle)
+                       h._mode, h._handle, h._keep)
         self.arrived = loaded if selected else {}
         self._checked = True
 
@@ -1012,7 +1039,7 @@ class _FileReader:
             if name in self.arrived:
                 return self.arrived[name]
             h = self._handle
-            if h._device != "cpu" or h._verified:
+            if h._device != "cpu" or h._verified or h._keep:
                 self._load_whole()
             elif self._stream is None:
                 check_settings()  # as every load does
@@ -1068,7 +1095,7 @@ class TensorSlice:
     def __getitem__(self, index) -> torch.Tensor:
         h = self._handle
         rows = None if self.get_dtype() == "F4" and len(self.get_shape()) < 2 else _rows(index, self.get_shape())
-        if rows is not None and h._arrived(self._name) is None:
+        if rows is not None and h._arrived(self._name) is None and not h._keep:
             h._check_open()
             check_settings()
             start, stop, rest = rows

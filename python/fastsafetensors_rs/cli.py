@@ -5,6 +5,7 @@
     python -m fastsafetensors_rs bench model/ --repeat 3        # this loader vs safetensors
     python -m fastsafetensors_rs bench model/ --save /tmp/out    # ... and saving it again
     python -m fastsafetensors_rs inspect --json model/ | jq .totals
+    python -m fastsafetensors_rs keep --list                    # weights kept by keep=True loads
 
 A PATH is a file, a directory (the shards its `*.safetensors.index.json` lists if there is one,
 else all of its `*.safetensors`) or an index file, by the same rule as `fastsafetensors_rs.load`. `--json` prints one JSON document on stdout. Progress
@@ -31,7 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _ops, api
+from . import _ops, api, keep
 from ._dtypes import DTYPES, nbytes, numel
 from ._logging import enable_logging, redact
 from ._ops import ops
@@ -636,6 +637,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time saving the checkpoint into DIR (replaced), in as many shards as it has files, "
                         "until durable: fastsafetensors_rs.save vs safetensors' save_file + fsync")
     p.set_defaults(run=cmd_bench)
+
+    keep.add_parser(sub)
     return parser
 
 

@@ -58,6 +58,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from . import _ops, api
+from . import keep as keep_mod
 from .api import Device, PathLike
 from .verify import Verify
 from .verify import spec as verify_spec
@@ -93,8 +94,9 @@ class PatchedSafeOpen(api.safe_open):
 
     def __init__(self, filename: PathLike, framework: str = "pt", device: Device = "cpu",
                  backend: Optional[str] = None, reader: Optional[str] = None, nogds: Optional[bool] = None,
-                 verify: Verify = None):
-        super().__init__(filename, framework=framework, device=device, reader=reader, nogds=nogds, verify=verify)
+                 verify: Verify = None, keep: bool = False):
+        super().__init__(filename, framework=framework, device=device, reader=reader, nogds=nogds, verify=verify,
+                         keep=keep)
         logger.debug("%s: opened for transformers (header only; loads to %s on first access)",
                      os.fspath(filename), device)
 
@@ -224,7 +226,7 @@ def is_transformers_patched() -> bool:
 
 
 def patch_transformers(reader: Optional[str] = None, nogds: Optional[bool] = None,
-                       weights: Optional[PathLike] = None, verify: Verify = None) -> List[str]:
+                       weights: Optional[PathLike] = None, verify: Verify = None, keep: bool = False) -> List[str]:
     """Makes transformers read `.safetensors` files through fastsafetensors, process-wide.
 
     Args:
@@ -238,6 +240,9 @@ def patch_transformers(reader: Optional[str] = None, nogds: Optional[bool] = Non
         verify: every weight file transformers opens is verified, as `fastsafetensors_rs.load`'s
             `verify=` (a `Signature` of the model, `Digests`, or True for a Hugging Face cache
             snapshot); a file that fails raises before any of its tensors reaches the model.
+        keep: every weight file transformers opens is loaded with `fastsafetensors_rs.load`'s
+            `keep=True` (docs/keep.md): the next `from_pretrained` of the same model, in any
+            process of this user, attaches to the weights instead of reading them.
 
     Returns the patched names ("module.attribute"). Calling it again only updates the
     options. Undo with `unpatch_transformers()`. Raises ImportError without transformers,
@@ -245,12 +250,14 @@ def patch_transformers(reader: Optional[str] = None, nogds: Optional[bool] = Non
     """
     reader, nogds = api._reader(reader), api._nogds(nogds)
     verify_spec(verify)  # malformed: raised here
+    keep = keep_mod.check_keep(keep)
     if weights is not None and not isinstance(weights, (str, os.PathLike)):
         raise TypeError(f"weights= takes a URL or a path, not {type(weights).__name__}")
     _import_transformers()
     with _lock:
         _options.clear()
-        _options.update({k: v for k, v in (("reader", reader), ("nogds", nogds), ("verify", verify))
+        _options.update({k: v for k, v in (("reader", reader), ("nogds", nogds), ("verify", verify),
+                                           ("keep", keep or None))
                          if v is not None})
         _weights.clear()
         if weights is not None:
@@ -290,7 +297,8 @@ def unpatch_transformers() -> None:
 
 @contextlib.contextmanager
 def patched_transformers(reader: Optional[str] = None, nogds: Optional[bool] = None,
-                         weights: Optional[PathLike] = None, verify: Verify = None) -> Iterator[None]:
+                         weights: Optional[PathLike] = None, verify: Verify = None,
+                         keep: bool = False) -> Iterator[None]:
     """`patch_transformers()` for the duration of a `with` block:
 
         with fastsafetensors_rs.patched_transformers(weights="s3://bucket/llama-3-8b/"):
@@ -301,7 +309,7 @@ def patched_transformers(reader: Optional[str] = None, nogds: Optional[bool] = N
     with _lock:
         was_patched = bool(_originals)
         previous, previous_weights = dict(_options), dict(_weights)
-        patch_transformers(reader=reader, nogds=nogds, weights=weights, verify=verify)
+        patch_transformers(reader=reader, nogds=nogds, weights=weights, verify=verify, keep=keep)
     try:
         yield
     finally:

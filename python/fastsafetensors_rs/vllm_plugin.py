@@ -11,6 +11,8 @@ a model loader for `--load-format fastsafetensors_rs` with
         --model-loader-extra-config '{"reader": "direct", "prefetch": 1}'
     vllm serve path/to/model-config --load-format fastsafetensors_rs \\
         --model-loader-extra-config '{"weights": "s3://bucket/model/"}'
+    vllm serve path/to/model --load-format fastsafetensors_rs \\
+        --model-loader-extra-config '{"keep": true}'      # a restart attaches (docs/keep.md)
 
 The loader is vLLM's `DefaultModelLoader` (file discovery and downloads, index filtering,
 subfolders, allow-pattern overrides, the shard filters of `--mm-encoder-only`, of
@@ -63,6 +65,8 @@ OPTIONS: Dict[str, str] = {
     "nogds": "CUDA: true never uses GPUDirect Storage, false requires it; default: where available",
     "device": "where tensors are loaded (default: vLLM's load device, else the worker's GPU, else cpu)",
     "prefetch": "CUDA: load file by file in bulk, this many files ahead in a background thread (default 0: stream)",
+    "keep": "true keeps the weights in memory that outlives the engine (docs/keep.md): a restarted engine, or "
+            "another on the node, attaches to them instead of reading; each rank loads on its own (share 'none')",
     "max_memory": "the memory the stream's buffers may hold, e.g. '1G' (default: $FASTSAFETENSORS_MAX_MEMORY, else 1 GiB)",
     "share": "the ranks that read the checkpoint together, each byte once: 'tp' (default: the tensor-parallel "
              "group), 'world' (every rank of the engine), 'none' (each rank reads everything)",
@@ -97,6 +101,8 @@ def parse_options(extra: Dict[str, Any]) -> Dict[str, Any]:
     prefetch = opts.get("prefetch", 0)
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise bad("prefetch", "an integer >= 0")
+    if opts.get("keep") is not None and not isinstance(opts["keep"], bool):
+        raise bad("keep", "true or false")
     if opts.get("share") is not None and opts["share"] not in SHARE:
         raise bad("share", " or ".join(repr(s) for s in SHARE))
     max_memory = opts.get("max_memory")
@@ -264,7 +270,8 @@ def make_loader_class(default_loader: type, weight_utils: Any) -> type:
             # Ranks that select different tensors (their own experts) cannot share reads. A
             # verified load shares them too: each file is hashed once in the group.
             verify = opts.get("verify")
-            group = _sharing_group(opts.get("share") or "tp", device) if skip is None else None
+            kept = bool(opts.get("keep"))
+            group = _sharing_group(opts.get("share") or "tp", device) if skip is None and not kept else None
             weights: Iterable[Tuple[str, torch.Tensor]] = weights_iterator(
                 sorted(files),
                 _show_progress(bool(getattr(self.load_config, "use_tqdm_on_load", False))),
@@ -276,6 +283,7 @@ def make_loader_class(default_loader: type, weight_utils: Any) -> type:
                 tensor_filter=keep,
                 max_memory=opts.get("max_memory"),
                 verify=verify,
+                keep=kept,
             )
             if self.counter_before_loading_weights == 0.0:
                 self.counter_before_loading_weights = time.perf_counter()

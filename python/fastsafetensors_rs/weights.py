@@ -29,6 +29,7 @@ from typing import Deque, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 import torch
 
 from . import api
+from . import keep as keep_mod
 from .api import Device, PathLike
 from .progress import ByteProgress, progress, progress_enabled
 from .verify import Verify
@@ -64,6 +65,7 @@ def weights_iterator(
     max_memory: Union[None, int, str] = None,
     process_group: Optional[api.ProcessGroup] = None,
     verify: Verify = None,
+    keep: bool = False,
 ) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yields `(name, tensor)` for every tensor (or the selected ones) of `files`, file by file.
 
@@ -88,6 +90,8 @@ def weights_iterator(
             rest (see `fastsafetensors_rs.distributed`); every rank of it must iterate alike.
         verify: as in `fastsafetensors_rs.stream`: a file that does not match its manifest ends
             the iteration with an error before any tensor of a later file.
+        keep: as in `fastsafetensors_rs.load` (see docs/keep.md): the tensors of a kept load
+            of `files`, attached to when a process of this user kept them before.
 
     Malformed arguments raise here, at the call; a file that cannot be read raises
     `RuntimeError` naming it at the first `next()`.
@@ -100,6 +104,11 @@ def weights_iterator(
     reader, nogds, budget = api._reader(reader), api._nogds(nogds), api._max_memory(max_memory)
     target = api._device_name(device)
     verify_spec(verify)  # malformed: raised here
+    if keep_mod.check_keep(keep):
+        keep_mod.refuse_with_group(keep, process_group)
+        return _streamed(paths, progress_enabled(use_tqdm_on_load, default=False), device=target, dtype=dtype,
+                         reader=reader, tensor_filter=tensor_filter, tensor_name_match_mode=tensor_name_match_mode,
+                         verify=verify, keep=True)
     return _weights(paths, use_tqdm_on_load, target, dtype, reader, nogds, prefetch, tensor_filter,
                     tensor_name_match_mode, budget, process_group, verify)
 

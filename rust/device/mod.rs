@@ -1,8 +1,9 @@
 //! Device memory: everything that touches the CUDA driver, the two ways bytes reach a device,
 //! and the host-memory stand-in that tests them without a GPU.
 //!
-//! Layered like cudarc: [`driver`] and [`cufile`] hold the `unsafe` calls and the RAII types
-//! whose `Drop` releases what they own (loaded at run time: no toolkit at build time, no
+//! Layered like cudarc: [`driver`], [`vmm`] (device memory another process can map, for kept
+//! weights) and [`cufile`] hold the `unsafe` calls and the RAII types whose `Drop` releases
+//! what they own (loaded at run time: no toolkit at build time, no
 //! failure on machines without a GPU until CUDA is asked for). Above them, safe code:
 //! [`staged`] copies through a ring of pinned staging buffers, [`gds`] reads with GPUDirect
 //! Storage, and both go through the [`Device`] trait defined here.
@@ -37,6 +38,7 @@ pub mod cufile;
 pub mod driver;
 pub mod gds;
 pub mod staged;
+pub mod vmm;
 
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};

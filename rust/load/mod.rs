@@ -14,6 +14,7 @@ pub mod checkpoint;
 pub mod device_stream;
 pub mod fanout;
 pub mod handle;
+pub mod kept;
 pub mod stream;
 
 use std::collections::{HashMap, HashSet};
@@ -284,19 +285,10 @@ impl Planned {
     /// touches). Each file's selected tensors are read as few extents: the whole file when
     /// everything is selected, else the selected ranges merged across small gaps.
     pub fn read_to_host(self, options: &LoadOptions) -> Result<Loaded> {
-        let policy = ExtentPolicy { max_gap: options.max_gap, ..ExtentPolicy::default() };
-        let extents = plan::plan_extents(&self.tensors, &self.file_lens(), &policy);
-        let extents = self.checks.widen(extents, &self.tensors, &self.file_lens())?;
+        let extents = self.host_extents(options)?;
         let verified = !self.checks.files.is_empty();
         let how = choose_reads(&self.sources, &extents, options.reader, true, verified)?;
-        let readers = self
-            .sources
-            .iter()
-            .zip(&how)
-            .map(|(src, &h)| {
-                h.owns_memory().then(|| BlockReader::open(Arc::clone(src), h == HostRead::Direct)).transpose()
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let readers = host_readers(&self.sources, &how)?;
         let read = |e: &Extent| -> Result<Arc<HostBuffer>> {
             match (&readers[e.file], how[e.file]) {
                 (Some(reader), _) => direct::read_extent(reader, e, options.block, self.checks.file(e.file)),
@@ -327,6 +319,14 @@ impl Planned {
         }
         self.checks.finish()?;
         Ok(Loaded { buffers, extents, tensors: self.tensors, paths })
+    }
+
+    /// The extents a load into host memory reads: each file's selected tensors as few ranges
+    /// as `options` allows, widened to what the checks of a verified load need.
+    pub(crate) fn host_extents(&self, options: &LoadOptions) -> Result<Vec<Extent>> {
+        let policy = ExtentPolicy { max_gap: options.max_gap, ..ExtentPolicy::default() };
+        let extents = plan::plan_extents(&self.tensors, &self.file_lens(), &policy);
+        self.checks.widen(extents, &self.tensors, &self.file_lens())
     }
 
     /// Bytes of memory file `i` needs: the file rounded up to whole aligned reads.
@@ -536,6 +536,15 @@ pub(crate) fn choose_reads<'a>(
         map_what_does_not_fit(&mut how, &wanted, &mappable, reader)?;
     }
     Ok(how)
+}
+
+/// A reader for each file read into memory of the load's own (`how`); none for files mapped
+/// or with nothing to read.
+pub(crate) fn host_readers(sources: &[Arc<dyn Source>], how: &[HostRead]) -> Result<Vec<Option<BlockReader>>> {
+    let open = |(src, &h): (&Arc<dyn Source>, &HostRead)| {
+        h.owns_memory().then(|| BlockReader::open(Arc::clone(src), h == HostRead::Direct)).transpose()
+    };
+    sources.iter().zip(how).map(open).collect()
 }
 
 /// Makes the direct reads of a load fit the host-memory limit. With the `auto` reader, files

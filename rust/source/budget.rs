@@ -97,6 +97,11 @@ pub fn parse_size(text: &str) -> Option<Option<u64>> {
     n.checked_mul(1u64 << shift).map(Some)
 }
 
+/// The machine's memory (`MemTotal`), if the kernel says.
+pub(crate) fn mem_total() -> Option<u64> {
+    meminfo("MemTotal:")
+}
+
 fn mem_available() -> Option<u64> {
     meminfo("MemAvailable:")
 }

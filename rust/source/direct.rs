@@ -27,10 +27,24 @@ pub fn read_extent(
     block: u64,
     check: Option<&FileCheck>,
 ) -> Result<Arc<HostBuffer>> {
+    let map = alloc_for_reads(extent.len, reader.src.path())?;
+    read_extent_in(reader, extent, block, check, HostBuffer::new(map, reader.path()))
+}
+
+/// [`read_extent`] into `buffer` (at least `extent.len` bytes, page-aligned, writable): the
+/// memory of a kept entry being filled.
+pub(crate) fn read_extent_in(
+    reader: &BlockReader,
+    extent: &Extent,
+    block: u64,
+    check: Option<&FileCheck>,
+    buffer: HostBuffer,
+) -> Result<Arc<HostBuffer>> {
+    assert!(buffer.byte_len() as u64 >= extent.len, "a buffer holding the extent");
     let block = plan::io_block(block);
-    let mut map = alloc_for_reads(extent.len, reader.src.path())?;
-    let target = FillTarget(map.as_mut_ptr());
-    let buffer = Arc::new(HostBuffer::new(map, reader.path()));
+    // Written through the mapping's own pointer (the buffer lends no `&mut` while shared).
+    let target = FillTarget(buffer.as_ptr() as *mut u8);
+    let buffer = Arc::new(buffer);
     let blocks = if reader.src.splits_reads() {
         // One read of the whole extent: the source runs its own parallel requests.
         vec![ReadBlock { offset: extent.start, len: extent.len, expected: extent.expected }]

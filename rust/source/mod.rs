@@ -118,6 +118,8 @@ pub enum ReadPath {
     Remote,
     /// Nothing: no tensor of the file was selected.
     NotRead,
+    /// Nothing: the bytes are a kept entry's, mapped (see `keep`).
+    Kept,
 }
 
 impl ReadPath {
@@ -131,6 +133,7 @@ impl ReadPath {
             ReadPath::GdsCompat => "gds-compat",
             ReadPath::Remote => "remote",
             ReadPath::NotRead => "none",
+            ReadPath::Kept => "kept",
         }
     }
 }
@@ -164,6 +167,11 @@ impl HostBuffer {
 
     pub fn as_ptr(&self) -> *const u8 {
         self.map().as_ptr()
+    }
+
+    /// The mapping the buffer is (a kept entry's memory is remapped in place once filled).
+    pub(crate) fn mapping(&self) -> &MmapMut {
+        self.map()
     }
 
     /// Bytes in the buffer.

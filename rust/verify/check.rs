@@ -208,6 +208,17 @@ impl FileCheck {
         &self.origin
     }
 
+    /// What the file must hash to, in one line: `sha256:…` for a digest of the whole file, or
+    /// each shard's `start-end=sha256:…`, comma-separated (what a kept entry is verified against).
+    pub fn expected(&self) -> String {
+        if self.whole {
+            return self.segments.iter().map(|s| s.expected.to_string()).collect();
+        }
+        let shards: Vec<String> =
+            self.segments.iter().map(|s| format!("{}-{}={}", s.start, s.end, s.expected)).collect();
+        shards.join(",")
+    }
+
     /// Whether the manifest has one digest for the whole file (rather than shards).
     pub fn is_whole_file(&self) -> bool {
         self.whole

@@ -354,3 +354,24 @@ def test_torchao_checkpoints_go_through_vllms_iterator(llama):
     loader.load_config.safetensors_load_strategy = "torchao"
     with pytest.raises((ValueError, ImportError), match="torchao"):
         collect(loader._get_weights_iterator(source(llama)))
+
+
+def test_keep_in_the_extra_config_attaches_the_next_load(checkpoint, tmp_path, monkeypatch):
+    """`{"keep": true}` through vLLM's own loader: the first load keeps the weights, the next
+    (a restarted engine) attaches to them, bit for bit."""
+    import tempfile
+
+    from fastsafetensors_rs import keep
+
+    scratch = tempfile.mkdtemp(prefix="fstk-", dir="/tmp")  # a short path: socket addresses hold 107 bytes
+    monkeypatch.setenv("FASTSAFETENSORS_KEEP_DIR", scratch + "/k")
+    config = harness.vllm_config(checkpoint, FORMAT)
+    try:
+        for _ in range(2):
+            got = collect(loader_for(FORMAT, {"keep": True}).get_all_weights(config.model_config, torch.nn.Module()))
+            assert_bit_exact(got, reference(checkpoint_files(checkpoint)))
+        [entry] = keep.entries()
+        assert entry["attaches"] == 1 and entry["device"] == "cpu", entry
+    finally:
+        keep.stop()
+        shutil.rmtree(scratch, ignore_errors=True)

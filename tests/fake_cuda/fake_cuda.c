@@ -18,6 +18,14 @@
 // - cuFile reads and registrations target memory of the current context's device.
 // It also counts what tests assert on: device-wide synchronizations, pinned allocations,
 // threads left with a context current.
+//
+// The virtual memory API (cuMemCreate and the rest) is backed by memory files: an allocation
+// is a memfd (named after its device), its exported handle a descriptor of that file (so that
+// another process can import and map it, as the real driver allows), a mapping a shared
+// mapping of it in a range reserved with PROT_NONE, and cuMemSetAccess an mprotect (a write
+// through a read-only mapping faults, as a kernel's would).
+#define _GNU_SOURCE
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stddef.h>
@@ -25,6 +33,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 typedef int CUresult;
@@ -72,6 +82,7 @@ struct region {
   struct fake_context* ctx;
   struct fake_stream* last_stream;  // of the last copy out of it
   unsigned long last_copy;
+  int fresh;  // mapped from a new allocation: no earlier work to order copies after
 };
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
@@ -143,7 +154,7 @@ static struct region* find_region(uintptr_t p, size_t len) {
 
 static void add_region(uintptr_t start, size_t len, int device, struct fake_context* ctx) {
   pthread_mutex_lock(&lock);
-  if (region_count < MAX_REGIONS) regions[region_count++] = (struct region){start, len, device, ctx, NULL, 0};
+  if (region_count < MAX_REGIONS) regions[region_count++] = (struct region){start, len, device, ctx, NULL, 0, 0};
   pthread_mutex_unlock(&lock);
 }
 
@@ -447,11 +458,10 @@ CUresult cuMemcpyHtoDAsync_v2(uint64_t dst, const void* src, size_t len, void* s
   struct fake_stream* s = stream;
   if (!s) return CUDA_ERROR_INVALID_HANDLE;
   if (!need_context("cuMemcpyHtoDAsync", s->ctx)) return CUDA_ERROR_INVALID_CONTEXT;
-  if (!s->waited_for_ready) violation("%s on a stream not ordered after the destination's previous work",
-                                      "cuMemcpyHtoDAsync");
   pthread_mutex_lock(&lock);
   struct region* from = find_region((uintptr_t)src, len);
   struct region* to = find_region((uintptr_t)dst, len);
+  int unordered = !s->waited_for_ready && !(to && to->fresh);
   int from_ok = from && from->device == -1;
   int to_ok = to && to->device == s->ctx->device;
   if (from_ok && to_ok) {
@@ -460,12 +470,174 @@ CUresult cuMemcpyHtoDAsync_v2(uint64_t dst, const void* src, size_t len, void* s
     from->last_copy = s->queued;
   }
   pthread_mutex_unlock(&lock);
+  if (unordered) violation("%s on a stream not ordered after the destination's previous work", "cuMemcpyHtoDAsync");
   if (!from_ok) violation("%s from memory that is not pinned", "cuMemcpyHtoDAsync");
   if (!to_ok) violation("%s to memory that is not the stream's device's", "cuMemcpyHtoDAsync");
   if (!from_ok || !to_ok) return CUDA_ERROR_INVALID_VALUE;
   memcpy((void*)(uintptr_t)dst, src, len);
   atomic_fetch_add(&copies, 1);
   return CUDA_SUCCESS;
+}
+
+// ------------------------------------------------------------------ virtual memory management
+
+#define GRANULARITY ((size_t)2 << 20)
+#define HANDLE_TYPE_POSIX_FD 1
+#define ACCESS_READ 1
+#define ACCESS_READWRITE 3
+
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef struct {
+  int type;
+  int id;
+} CUmemLocation;
+typedef struct {
+  int type;
+  int requestedHandleTypes;
+  CUmemLocation location;
+  void* win32HandleMetaData;
+  unsigned char allocFlags[8];
+} CUmemAllocationProp;
+typedef struct {
+  CUmemLocation location;
+  int flags;
+} CUmemAccessDesc;
+typedef struct {
+  char bytes[16];
+} CUuuid;
+
+struct fake_allocation {
+  int fd;
+  size_t len;
+  int device;
+};
+
+static atomic_int vmm_live;  // allocation handles not released, in this process
+
+int fake_vmm_live(void) { return atomic_load(&vmm_live); }
+
+CUresult cuDeviceGetUuid_v2(CUuuid* uuid, int device) {
+  if (device < 0 || device >= DEVICES) return CUDA_ERROR_INVALID_DEVICE;
+  memset(uuid->bytes, 0, sizeof uuid->bytes);
+  uuid->bytes[0] = (char)0xfa;
+  uuid->bytes[15] = (char)device;
+  return CUDA_SUCCESS;
+}
+
+CUresult cuMemGetAllocationGranularity(size_t* granularity, const CUmemAllocationProp* prop, int option) {
+  (void)prop;
+  (void)option;
+  *granularity = GRANULARITY;
+  return CUDA_SUCCESS;
+}
+
+static struct fake_allocation* allocation(int fd, size_t len, int device) {
+  struct fake_allocation* a = calloc(1, sizeof *a);
+  a->fd = fd;
+  a->len = len;
+  a->device = device;
+  atomic_fetch_add(&vmm_live, 1);
+  return a;
+}
+
+CUresult cuMemCreate(CUmemGenericAllocationHandle* handle, size_t len, const CUmemAllocationProp* prop,
+                     unsigned long long flags) {
+  (void)flags;
+  if (len == 0 || len % GRANULARITY) {
+    violation("%s of a size that is not a multiple of the granularity", "cuMemCreate");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  if (prop->requestedHandleTypes != HANDLE_TYPE_POSIX_FD || prop->location.id < 0 || prop->location.id >= DEVICES)
+    return CUDA_ERROR_INVALID_VALUE;
+  char name[32];
+  snprintf(name, sizeof name, "fake-vmm-%d", prop->location.id);
+  int fd = memfd_create(name, MFD_CLOEXEC);
+  if (fd < 0 || ftruncate(fd, (off_t)len) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
+  *handle = (uintptr_t)allocation(fd, len, prop->location.id);
+  return CUDA_SUCCESS;
+}
+
+CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
+  struct fake_allocation* a = (struct fake_allocation*)(uintptr_t)handle;
+  if (!a) return CUDA_ERROR_INVALID_HANDLE;
+  close(a->fd);
+  free(a);
+  atomic_fetch_sub(&vmm_live, 1);
+  return CUDA_SUCCESS;
+}
+
+CUresult cuMemExportToShareableHandle(void* out, CUmemGenericAllocationHandle handle, int type,
+                                      unsigned long long flags) {
+  (void)flags;
+  struct fake_allocation* a = (struct fake_allocation*)(uintptr_t)handle;
+  if (!a || type != HANDLE_TYPE_POSIX_FD) return CUDA_ERROR_INVALID_VALUE;
+  *(int*)out = fcntl(a->fd, F_DUPFD_CLOEXEC, 0);
+  return CUDA_SUCCESS;
+}
+
+CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle* handle, void* os_handle, int type) {
+  int fd = (int)(uintptr_t)os_handle;
+  char link[64], target[256];
+  struct stat st;
+  snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+  ssize_t n = readlink(link, target, sizeof target - 1);
+  int device = -1;
+  if (n > 0) {
+    target[n] = 0;
+    sscanf(target, "/memfd:fake-vmm-%d", &device);
+  }
+  if (type != HANDLE_TYPE_POSIX_FD || device < 0 || fstat(fd, &st) != 0) return CUDA_ERROR_INVALID_VALUE;
+  *handle = (uintptr_t)allocation(fcntl(fd, F_DUPFD_CLOEXEC, 0), (size_t)st.st_size, device);
+  return CUDA_SUCCESS;
+}
+
+CUresult cuMemAddressReserve(uint64_t* ptr, size_t len, size_t alignment, uint64_t addr, unsigned long long flags) {
+  (void)alignment;
+  (void)addr;
+  (void)flags;
+  void* p = mmap(NULL, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+  *ptr = (uintptr_t)p;
+  return CUDA_SUCCESS;
+}
+
+CUresult cuMemAddressFree(uint64_t ptr, size_t len) {
+  pthread_mutex_lock(&lock);
+  int mapped = find_region((uintptr_t)ptr, 1) != NULL;
+  pthread_mutex_unlock(&lock);
+  if (mapped) violation("%s of a range still mapped", "cuMemAddressFree");
+  return munmap((void*)(uintptr_t)ptr, len) == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuMemMap(uint64_t ptr, size_t len, size_t offset, CUmemGenericAllocationHandle handle,
+                  unsigned long long flags) {
+  (void)flags;
+  struct fake_allocation* a = (struct fake_allocation*)(uintptr_t)handle;
+  if (!a || offset + len > a->len) return CUDA_ERROR_INVALID_VALUE;
+  void* p = mmap((void*)(uintptr_t)ptr, len, PROT_NONE, MAP_SHARED | MAP_FIXED, a->fd, (off_t)offset);
+  if (p == MAP_FAILED) return CUDA_ERROR_INVALID_VALUE;
+  add_region((uintptr_t)ptr, len, a->device, NULL);
+  pthread_mutex_lock(&lock);
+  find_region((uintptr_t)ptr, len)->fresh = 1;
+  pthread_mutex_unlock(&lock);
+  return CUDA_SUCCESS;
+}
+
+CUresult cuMemSetAccess(uint64_t ptr, size_t len, const CUmemAccessDesc* desc, size_t count) {
+  if (count != 1) return CUDA_ERROR_INVALID_VALUE;
+  int prot = desc->flags == ACCESS_READWRITE ? PROT_READ | PROT_WRITE : desc->flags == ACCESS_READ ? PROT_READ : PROT_NONE;
+  pthread_mutex_lock(&lock);
+  struct region* r = find_region((uintptr_t)ptr, len);
+  int ok = r && r->device == desc->location.id;
+  pthread_mutex_unlock(&lock);
+  if (!ok) violation("%s on a range not mapped for the device given", "cuMemSetAccess");
+  return ok && mprotect((void*)(uintptr_t)ptr, len, prot) == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuMemUnmap(uint64_t ptr, size_t len) {
+  if (!remove_region((uintptr_t)ptr, NULL)) return CUDA_ERROR_INVALID_VALUE;
+  void* p = mmap((void*)(uintptr_t)ptr, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+  return p == MAP_FAILED ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
 }
 
 // ------------------------------------------------------------------ cuFile

@@ -35,6 +35,10 @@ any check failed, 0 otherwise (also on machines without CUDA, where nothing can 
                 where there are two GPUs
   remote        an http:// URL (the tests' HTTP range server, on this machine's loopback)
                 loaded and streamed to the GPU through the staging ring, bit-exact
+  keep          keep=True to the GPU: a first process fills kept device memory, a second
+                attaches (bytes equal, nothing read, the attach time), an in-place write into
+                an attached tensor fails in its own process, and the keeper killed with a
+                client attached leaves that client's tensors valid (the next load reads again)
   throughput    cold and warm, each path against safetensors' safe_open(device="cuda") and
                 the limits (dd iflag=direct, pinned host-to-device), outputs compared
 
@@ -339,8 +343,30 @@ def child_fanout(path: str) -> dict:
         dist.destroy_process_group()
 
 
+def child_keep(path: str, write: str = "") -> dict:
+    """A kept load of `path` to the GPU in a fresh process (FASTSAFETENSORS_KEEP_DIR from the
+    parent): how each file came, the time until the tensors were returned, a checksum of their
+    bytes; with `write`, then an in-place write into one of them."""
+    torch.cuda.init()
+    start = time.perf_counter()
+    names, tensors, taken = ops.load_kept([path], "cuda")
+    seconds = time.perf_counter() - start
+    torch.cuda.synchronize()
+    out = {"taken": list(taken), "seconds": seconds,
+           "sum": int(sum(as_bytes(t).sum(dtype=torch.int64).item() for t in tensors)),
+           "torch_allocated": torch.cuda.memory_allocated()}
+    if write:
+        try:
+            tensors[0].view(-1)[:16].zero_()
+            torch.cuda.synchronize()
+            out["write"] = "succeeded"
+        except RuntimeError as e:
+            out["write"] = f"failed: {e}".splitlines()[0][:200]
+    return out
+
+
 CHILDREN = {"pattern": child_pattern, "truncate": child_truncate, "gds_compat": child_gds_compat,
-            "no_files": child_no_files, "fanout": child_fanout}
+            "no_files": child_no_files, "fanout": child_fanout, "keep": child_keep}
 
 
 # ---------------------------------------------------------------- checks
@@ -834,6 +860,47 @@ def throughput(tmp: str, size_gb: float, runs: int) -> None:
     print(f"  target >= 4.8 x safetensors (cold): {'PASS' if best >= 4.8 * results[('safetensors', 'cold')] else 'MISS'}")
 
 
+def keep(tmp: str, pattern: str) -> None:
+    """keep=True to the GPU, each load in a process of its own, with a keeper of this check's."""
+    import signal
+
+    from fastsafetensors_rs import keep as kept
+    keep_dir = tempfile.mkdtemp(prefix="fstk-gpu-", dir="/tmp")
+    env = {"FASTSAFETENSORS_KEEP_DIR": os.path.join(keep_dir, "k")}
+    os.environ.update(env)
+    try:
+        expected = int(sum(as_bytes(t).sum(dtype=torch.int64).item() for t in st_load_file(pattern).values()))
+        first = run_child("keep", pattern, env=env)
+        second = run_child("keep", pattern, env=env)
+        ok = "error" not in first and "error" not in second
+        row("keep", ok and "kept" not in first["taken"] and first["sum"] == expected,
+            "the first kept load reads and fills device memory", first.get("error", f"{first.get('taken')}"))
+        row("keep", ok and second["taken"] == ["kept"] and second["sum"] == expected,
+            "a second process attaches: bytes equal, nothing read",
+            second.get("error") or f"attach {second['seconds'] * 1e3:.1f} ms, fill {first['seconds'] * 1e3:.1f} ms; "
+            f"torch.cuda.memory_allocated() {second['torch_allocated']} bytes (kept memory is not torch's)")
+        wrote = run_child("keep", pattern, "write", env=env)
+        row("keep", "error" not in wrote and wrote.get("write", "").startswith("failed"),
+            "an in-place write into an attached tensor fails (read-only) in its own process",
+            wrote.get("error") or wrote.get("write", ""))
+        # Attached here, then the keeper killed: these tensors stay valid.
+        names, tensors, taken = ops.load_kept([pattern], "cuda")
+        pid = kept.status()["pid"]
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+        torch.cuda.synchronize()
+        held = int(sum(as_bytes(t).sum(dtype=torch.int64).item() for t in tensors))
+        again = run_child("keep", pattern, env=env)
+        row("keep", list(taken) == ["kept"] and held == expected and "error" not in again
+            and "kept" not in again["taken"] and again["sum"] == expected,
+            "the keeper killed with a client attached: its tensors stay valid; the next load reads again",
+            again.get("error", ""))
+        del tensors
+    finally:
+        kept.stop()
+        shutil.rmtree(keep_dir, ignore_errors=True)
+
+
 def print_table() -> None:
     width = max(len(r[2]) for r in ROWS)
     print("\n" + "=" * (width + 40))
@@ -951,6 +1018,8 @@ def main() -> int:
         guarded("fan-out", "fan-out")(fanout)(tmp, small_pattern)
         print("remote")
         remote(tmp, small_pattern)
+        print("keep")
+        guarded("keep", "keep")(keep)(tmp, small_pattern)
         print("staging")
         staging(tmp)
         print("GDS")

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .. import api as _api
+from .. import keep as _keep
 from .._dtypes import cast_dtype
 from .._errors import mapped_errors
 from .._ops import describe
@@ -72,6 +73,8 @@ class LoadPlan:
     reader: Optional[str]
     # What each rank's own files are verified against (`fastsafetensors_rs.load`'s verify=).
     verify: Any = None
+    # Whether each rank's own files are kept between processes (`fastsafetensors_rs.load`'s keep=).
+    keep: bool = False
 
     @classmethod
     def make(
@@ -82,6 +85,7 @@ class LoadPlan:
         cast: Optional[torch.dtype],
         reader: Optional[str],
         verify: Any = None,
+        keep: bool = False,
     ) -> "LoadPlan":
         files: List[FileEntry] = []
         entries: Dict[str, TensorEntry] = {}
@@ -98,13 +102,14 @@ class LoadPlan:
                     nbytes_of(dtype, tshape),
                 )
         own = [f.path for f in files if f.rank == rank]
-        return cls(files, entries, own, device, cast, reader, verify)
+        return cls(files, entries, own, device, cast, reader, verify, keep)
 
     def read_own(self) -> Dict[str, torch.Tensor]:
         """Reads this rank's files in one bulk load (no collective: safe on any thread)."""
         if not self.own_paths:
             return {}
-        return _api.load(self.own_paths, device=self.device, dtype=self.cast, reader=self.reader, verify=self.verify)
+        return _api.load(self.own_paths, device=self.device, dtype=self.cast, reader=self.reader, verify=self.verify,
+                         keep=self.keep)
 
 
 def open_buffer(
@@ -167,6 +172,8 @@ class SafeTensorsFileLoader:
         verify: what each rank's files are verified against, as `fastsafetensors_rs.load`'s
             `verify=` (a `Signature`, `Digests`, True): every file is checked once, by the
             rank that reads it, and a mismatch fails `copy_files_to_device` on every rank.
+        keep: each rank's files kept between processes, as `fastsafetensors_rs.load`'s
+            `keep=` (docs/keep.md): a restarted job's ranks attach to what they read before.
         **kwargs: other options of the original (e.g. `max_pinned_memory_in_kb`) are
             accepted and ignored.
 
@@ -192,6 +199,7 @@ class SafeTensorsFileLoader:
         *,
         reader: Optional[str] = None,
         verify: Any = None,
+        keep: bool = False,
         **kwargs: Any,
     ):
         if framework not in _FRAMEWORKS:
@@ -212,6 +220,8 @@ class SafeTensorsFileLoader:
         # mismatch on one rank fails copy_files_to_device on every rank.
         verify_spec(verify)  # malformed: raised here
         self.verify = verify
+        # Each rank's own files kept between processes (docs/keep.md): a restarted job attaches.
+        self.keep = _keep.check_keep(keep)
         self._headers: Dict[str, _Header] = {}
         self._owner_of: Dict[str, str] = {}  # tensor name -> path
 
@@ -313,7 +323,7 @@ class SafeTensorsFileLoader:
 
     def _plan(self, cast: Optional[torch.dtype]) -> LoadPlan:
         return LoadPlan.make(
-            self._ordered_headers(), self._group.rank, self.device, cast, self.reader, self.verify
+            self._ordered_headers(), self._group.rank, self.device, cast, self.reader, self.verify, self.keep
         )
 
 
