@@ -29,6 +29,7 @@ whose buffer was not filled by all of them.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import hashlib
 import json
 import math
@@ -147,6 +148,8 @@ class SharedLoad:
         # every rank learns the verdicts before returning (a stream: before handing out any
         # tensor of a later file).
         self._verify_failure: Optional[str] = None
+        self._hasher: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._hashing: List[concurrent.futures.Future] = []
         self.plan: Dict[str, Any] = {}
         failure = None
         try:  # a failure here is every rank's: it goes to the others before raising
@@ -170,6 +173,11 @@ class SharedLoad:
         # Whether the handle verifies (`verify`, or a handle opened to verify): the plan names
         # the rank checking each file it reads.
         self._verifying = any(c >= 0 for c in self.plan.get("checkers", []))
+        if self.rank in self.plan.get("checkers", []):
+            # The files this rank checks are hashed on a thread of their own, chunk by chunk as
+            # the exchange fills them, while the next chunks are read and exchanged (the op
+            # lets go of the GIL).
+            self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fastsafetensors-verify")
         # Each file's last buffer: where the rank checking it has fed it all.
         self._last_of_file = {buf["file"]: b for b, buf in enumerate(self.plan["buffers"])}
         self.tensor_count = len(self.plan["tensors"])
@@ -219,7 +227,7 @@ class SharedLoad:
         for t in plan["tensors"]:
             specs[t["buffer"]].append(t)
         failure: Optional[str] = None
-        pending = None  # (the exchange in flight, its buffer, whether it is the buffer's last)
+        pending = None  # (the exchange in flight, its buffer, whether it is the buffer's last, the chunk)
         memory: Dict[int, torch.Tensor] = {}
         steps = [(b, c, k + 1 == len(buf["chunks"])) for b, buf in enumerate(plan["buffers"])
                  for k, c in enumerate(buf["chunks"])]
@@ -243,7 +251,7 @@ class SharedLoad:
             mine = mem[offset + rank * piece:offset + (rank + 1) * piece]
             work = self._dist.all_gather_into_tensor(mem[offset:offset + world * piece], mine, group=self._group,
                                                      async_op=True)
-            pending = (work, b, last)
+            pending = (work, b, last, (offset, piece))
         if pending is not None:
             done = self._finish(pending, failure, memory, specs)
             if done is not None:
@@ -256,39 +264,58 @@ class SharedLoad:
                 specs: List[List[Dict[str, Any]]]) -> Optional[List[Tuple[str, torch.Tensor]]]:
         """Waits for an exchange; after a buffer's last one, checks that every rank read its
         pieces and makes the buffer's tensors."""
-        work, b, last = pending
+        work, b, last, chunk = pending
         work.wait()
+        if self._verifying:
+            self._check_chunk(b, chunk, memory[b], last)
         if not last:
             return None
         self._check_reads(failure)
         mem = memory.pop(b)
-        if self._verifying:
-            self._check_buffer(b, mem)
-            if self._streamed and self._last_of_file[self.plan["buffers"][b]["file"]] == b:
-                self._check_verified()  # before any tensor of a later file
+        if self._verifying and self._streamed and self._last_of_file[self.plan["buffers"][b]["file"]] == b:
+            self._check_verified()  # before any tensor of a later file
         return [(t["name"], _tensor(t, mem)) for t in specs[b]]
 
-    def _check_buffer(self, b: int, mem: torch.Tensor) -> None:
-        """On the rank that checks buffer `b`'s file: its bytes fed to the file's check (from
-        host memory: a copy of a device buffer, the very bytes its tensors are views of), and
-        after the file's last buffer, the file's verdict kept for `_check_verified`."""
+    def _check_chunk(self, b: int, chunk: Tuple[int, int], mem: torch.Tensor, last: bool) -> None:
+        """On the rank that checks buffer `b`'s file: the bytes the exchange just brought into
+        the buffer (`chunk`: offset, piece) queued to the file's check, from host memory (a copy
+        of a device buffer: the very bytes its tensors are views of); after the file's last
+        chunk, its verdict, kept for `_check_verified`."""
         buf = self.plan["buffers"][b]
         file = buf["file"]
-        if self.plan["checkers"][file] != self.rank or self._verify_failure is not None:
+        if self.plan["checkers"][file] != self.rank or self._hasher is None:
             return
-        path = self.plan["files"][file]
-        data = mem[:buf["len"]]
+        offset, piece = chunk
+        data = mem[offset:min(offset + self.world * piece, buf["len"])]
+        host = data if data.device.type == "cpu" else data.to("cpu")
+        finish = last and self._last_of_file[file] == b
+        self._hashing.append(self._hasher.submit(self._hash, self.plan["files"][file], buf["start"] + offset, host,
+                                                 finish))
+
+    def _hash(self, path: str, offset: int, data: torch.Tensor, finish: bool) -> None:
+        """The hasher thread's work, in file order: `data` fed to the check of `path` (and the
+        check finished after its last bytes); the first failure is kept."""
+        if self._verify_failure is not None:
+            return
         try:
-            ops.check_range(path, buf["start"], data if data.device.type == "cpu" else data.to("cpu"), self._handle)
-            _verified_bytes[0] += data.numel()
-            if self._last_of_file[file] == b:
+            if data.numel():
+                ops.check_range(path, offset, data, self._handle)
+                _verified_bytes[0] += data.numel()
+            if finish:
                 ops.check_finish(path, self._handle)
         except RuntimeError as e:
             self._verify_failure = str(e)
 
+    def _hashed(self) -> None:
+        """Waits for the hashing queued so far."""
+        pending, self._hashing = self._hashing, []
+        for future in pending:
+            future.result()
+
     def _check_verified(self) -> None:
         """Every rank's verdicts on the files it checked: a mismatch anywhere raises the same
         error on every rank (a bulk load returns nothing then)."""
+        self._hashed()
         verdicts: List[Optional[str]] = [None] * self.world
         self._dist.all_gather_object(verdicts, self._verify_failure, group=self._group)
         for r, failed in enumerate(verdicts):
@@ -312,6 +339,9 @@ class SharedLoad:
                            "nothing was loaded)")
 
     def close(self) -> None:
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=True, cancel_futures=True)
+            self._hasher = None
         if self._own_handle and self._handle != -1:
             ops.close_handle(self._handle)
         self._handle = -1
