@@ -313,6 +313,18 @@ def check_output(proc: subprocess.CompletedProcess) -> str:
     return proc.stdout
 
 
+def exit_worker(status: int) -> None:
+    """Ends a rank worker once its results are saved, without finalizing the interpreter:
+    gloo's worker thread may still be letting go of the last collective's tensors (a barrier
+    holds the all-gather before it), and a Python object released while the interpreter
+    finalizes aborts the process (`ProcessGroupGloo::runLoop` -> `decref_pyobject` ->
+    `take_gil` -> `pthread_exit` through a noexcept destructor: "terminate called without an
+    active exception"), which would fail a rank that did everything right."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def run_rank_workers(worker: str, d: Path, mode: str, world: int, timeout: float, env_of=lambda rank: {}) -> list:
     """Runs `python WORKER MODE D RANK WORLD INIT_FILE` once per rank, joined in one gloo group
     (file:// rendezvous, loopback only); returns each rank's results, which the worker saves

@@ -488,7 +488,7 @@ def run_ranks(d: Path, mode: str, world: int, env: dict | None = None) -> list[d
 
 if __name__ == "__main__":
     mode_, d_, rank_, world_, init_ = sys.argv[1:6]
-    sys.exit(worker_main(mode_, d_, int(rank_), int(world_), init_))
+    U.exit_worker(worker_main(mode_, d_, int(rank_), int(world_), init_))
 
 
 # ================================================================ the tests

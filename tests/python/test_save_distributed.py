@@ -202,7 +202,7 @@ def worker_main(mode: str, d: str, rank: int, world: int, init_file: str) -> int
 
 if __name__ == "__main__":
     mode_, d_, rank_, world_, init_ = sys.argv[1:6]
-    sys.exit(worker_main(mode_, d_, int(rank_), int(world_), init_))
+    U.exit_worker(worker_main(mode_, d_, int(rank_), int(world_), init_))
 
 
 # ================================================================ the tests
