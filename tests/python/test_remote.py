@@ -843,8 +843,10 @@ with FileServer({str(local_models)!r}, delay=60) as server:
         sys.exit(7)
 """
     env = {**os.environ, "FASTSAFETENSORS_REMOTE_TIMEOUT": "120", "FASTSAFETENSORS_REMOTE_PART_SIZE": "64K"}
+    # SIGINT as a terminal delivers it, even where the suite runs as a background job (whose
+    # commands inherit SIGINT ignored, and Python then installs no KeyboardInterrupt for it).
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+                            text=True, env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.readline().strip() == "loading"
         time.sleep(2.0)  # stalled
