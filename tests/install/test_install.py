@@ -122,7 +122,7 @@ def seed_cargo_target(tree: Path) -> None:
         return
     dest = tree / "target" / "release"
     shutil.copytree(seed, dest, symlinks=True,
-                    ignore=shutil.ignore_patterns("*fastsafetensors-*", "libfastsafetensors.*"))
+                    ignore=shutil.ignore_patterns("*fastsafetensors-*", "*fastsafetensors_*", "libfastsafetensors.*"))
     assert not list(dest.rglob("*fastsafetensors*")), "the crate's own artifacts must not be seeded"
 
 
