@@ -318,7 +318,9 @@ def load(
             `[r*b, min((r+1)*b, size))`, `b = ceil(size / n)`, as `get_sharded` splits), and
             every other tensor whole. A block of rows (dimension 0) is read by its rank alone,
             only its bytes; a block along another dimension is scattered by the rank that read
-            the whole tensor; each byte is still read once between the ranks.
+            the whole tensor; each byte is still read once between the ranks. Verified, the
+            load is shared as `process_group` alone shares it (each file hashed once in the
+            group) and each rank keeps its blocks of what it receives.
         cache_dir: for URLs, a local directory where each object read whole is kept, keyed by
             URL and version, so that the next load of that version reads the local copy (see
             docs/remote.md). None: `$FASTSAFETENSORS_CACHE_DIR`, if set. Local files ignore it.
@@ -357,13 +359,11 @@ def load(
     target, cast = _device_name(device), cast_dtype(dtype)
     cache = _cache_dir(cache_dir)
     checked = verify_spec(verify, paths)
-    if checked is not None and shard is not None:
-        raise ValueError(_VERIFY_SHARED)
     if shard is not None:
         if process_group is None:
             raise ValueError("shard= splits tensors over the ranks of a process_group: pass one")
         out = distributed.sharded_load(paths, target, cast, reader, patterns, mode, process_group, dict(shard),
-                                       cache)
+                                       cache, checked)
     elif _shared(process_group):
         shared = distributed.SharedLoad(paths, target, cast, reader, patterns, mode, process_group, None, False,
                                         cache_dir=cache, verify=checked)
@@ -445,11 +445,6 @@ class _Interruptible:
 
     def run(self, load: Callable[["_Interruptible"], T]) -> T:
         return _interruptible(lambda: load(self), self._device, self._interrupt)
-
-
-_VERIFY_SHARED = ("verify= is not supported with shard= yet: no rank holds every byte of a file to hash. Load with "
-                  "process_group= alone (the group checks each file once), verify the files once first "
-                  "(fastsafetensors-rs verify), or load without a group")
 
 
 def _cache_dir(cache_dir: Optional[PathLike]) -> Optional[str]:

@@ -397,14 +397,16 @@ def block(size: int, world: int, rank: int) -> Tuple[int, int]:
 
 def sharded_load(paths: Sequence[str], device: str, dtype: Optional[torch.dtype], reader: Optional[str],
                  patterns: Optional[List[str]], mode: str, group: Any,
-                 shard: Dict[str, int], cache_dir: Optional[str] = None) -> Dict[str, torch.Tensor]:
+                 shard: Dict[str, int], cache_dir: Optional[str] = None,
+                 verify: Optional[str] = None) -> Dict[str, torch.Tensor]:
     """A load where the tensors `shard` names (glob pattern -> dimension) come as this rank's
     block along that dimension, and every other selected tensor whole.
 
     Row blocks (dimension 0) are read by their rank alone, only their bytes: nothing goes over
     the group. A block along another dimension is not contiguous in the file: its tensor is
     read whole by one rank (tensors spread over the ranks by bytes) and scattered. The other
-    tensors are read once between the ranks and exchanged (`SharedLoad`)."""
+    tensors are read once between the ranks and exchanged (`SharedLoad`). Verified
+    (`verify`, the op's argument), see `_verified_blocks`."""
     dist = _dist()
     world, rank = group_size(group), dist.get_rank(group)
     files = checkpoint_files(paths)
@@ -413,6 +415,9 @@ def sharded_load(paths: Sequence[str], device: str, dtype: Optional[torch.dtype]
         selected = list(ops.selected(files, patterns, mode, handle))
         dtypes, shapes, file_of = _headers(files, handle)
         dims = _shard_dims(selected, shard, files, handle, shapes)
+        if verify is not None:
+            return _verified_blocks(files, device, dtype, reader, selected, dims, group, world, rank, cache_dir,
+                                    verify)
         rows = [n for n in selected if dims.get(n) == 0]
         columns = [n for n in selected if dims.get(n, 0) > 0]
         whole = [n for n in selected if n not in dims]
@@ -442,6 +447,30 @@ def sharded_load(paths: Sequence[str], device: str, dtype: Optional[torch.dtype]
         return {n: out[n] for n in selected}
     finally:
         ops.close_handle(handle)
+
+
+def _verified_blocks(files: Sequence[str], device: str, dtype: Optional[torch.dtype], reader: Optional[str],
+                     selected: List[str], dims: Dict[str, int], group: Any, world: int, rank: int,
+                     cache_dir: Optional[str], verify: str) -> Dict[str, torch.Tensor]:
+    """`sharded_load` verified: a file's digest covers all of it, and row blocks read by their
+    own ranks are never in one place to hash. So the load is a verified shared load (each
+    byte read once in the group, each file hashed once, by one rank, every verdict known to
+    every rank before anything is returned) of every selected tensor, and each rank keeps its
+    blocks of what arrives, one buffer at a time. The price: every rank receives every byte,
+    as with `process_group=` alone, where unverified row blocks go over the group not at all."""
+    shared = SharedLoad(files, device, dtype, reader, selected, "exact", group, None, False, cache_dir=cache_dir,
+                        verify=verify)
+    out: Dict[str, torch.Tensor] = {}
+    for buffer in shared.buffers():
+        for name, t in buffer:
+            d = dims.get(name)
+            if d is not None:
+                start, stop = block(t.shape[d], world, rank)
+                if stop - start != t.shape[d]:
+                    # A copy, so that the buffer the whole tensor is a view of can go.
+                    t = t.narrow(d, start, stop - start).clone(memory_format=torch.contiguous_format)
+            out[name] = t
+    return {n: out[n] for n in selected}
 
 
 def _headers(files: Sequence[str], handle: int):

@@ -251,15 +251,18 @@ def plugin_tp(args) -> None:
                                      distributed_init_method=f"file://{args.init}", backend="gloo")
         initialize_model_parallel(args.world, 1)
         loader = get_model_loader(config.load_config)
-        # Once unmeasured, so that the code this loads from disk is not counted below.
-        harness.collect(loader.get_all_weights(config.model_config, torch.nn.Module()))
-        if args.rank == 0:
-            for f in files:
-                harness.evict(f)
-        dist.barrier()
-        before, hashed = harness.read_bytes(), verified_bytes()
+
+        def load():
+            return harness.collect(loader.get_all_weights(config.model_config, torch.nn.Module()))
+
         try:
-            got = harness.collect(loader.get_all_weights(config.model_config, torch.nn.Module()))
+            load()  # once unmeasured, so that the code this loads from disk is not counted below
+            if args.rank == 0:
+                for f in files:
+                    harness.evict(f)
+            dist.barrier()
+            before, hashed = harness.read_bytes(), verified_bytes()
+            got = load()
         except RuntimeError as e:
             print(f"CHECKED error {' '.join(str(e).split())}")
             return

@@ -50,6 +50,21 @@ def build(d: Path) -> None:
         (d / f"rank{r}").mkdir(exist_ok=True)
         U.write_checkpoint(d / f"rank{r}" / "model.safetensors", checkpoint_tensors()[1])
     sign_shards(d)
+    flip_each_file(d)
+
+
+def flip_each_file(d: Path) -> None:
+    """`flipped{i}/`: the checkpoint with one byte in the middle of file i's tensor data
+    flipped (the other files hard links to the originals)."""
+    for i, name in enumerate(FILES):
+        (d / f"flipped{i}").mkdir()
+        for other in FILES:
+            if other != name:
+                os.link(d / other, d / f"flipped{i}" / other)
+        data = bytearray((d / name).read_bytes())
+        start = 8 + int.from_bytes(data[:8], "little")
+        data[(start + len(data)) // 2] ^= 0x01
+        (d / f"flipped{i}" / name).write_bytes(bytes(data))
 
 
 SHARD = 64 << 10
@@ -224,6 +239,36 @@ class Worker:
                         shard={"layers.2.w": 1, "*.norm": 0})
         return {"tensors": out, "read": read, "cast": cast}
 
+    def verified_sharded(self) -> dict:
+        """`shard=` verified: the blocks, the bytes this rank read (cold) and hashed; then one
+        byte flipped in each file in turn (`flipped{i}/`), each load's error."""
+        import hashlib
+
+        import fastsafetensors_rs as fst
+
+        from fastsafetensors_rs.distributed import verified_bytes
+
+        digests = fst.Digests({Path(f).name: "sha256:" + hashlib.sha256(Path(f).read_bytes()).hexdigest()
+                               for f in self.files})
+        spec = {"layers.*.w": 0, "lm_head": 1, "f4": -1}
+
+        def load(files):
+            return fst.load(files, process_group=self.group, reader="direct", shard=spec, verify=digests)
+
+        load(self.files)  # untimed first, as `_measured` does
+        self._cold(self.files)
+        read, hashed = read_bytes(), verified_bytes()
+        out = load(self.files)
+        read, hashed = read_bytes() - read, verified_bytes() - hashed
+        errors = []
+        for i in range(len(FILES)):
+            try:
+                load([str(self.d / f"flipped{i}" / f) for f in FILES])
+                errors.append(None)
+            except RuntimeError as e:
+                errors.append(str(e))
+        return {"tensors": out, "read": read, "hashed": hashed, "errors": errors}
+
     def mismatch(self) -> dict:
         import fastsafetensors_rs as fst
 
@@ -360,8 +405,8 @@ def owned(value):
     return value
 
 
-SCENARIOS = ["bulk", "verified", "verified_stream", "verified_shards", "filtered", "streamed", "sharded", "mismatch", "plan_failure", "read_failure",
-             "different_bytes"]
+SCENARIOS = ["bulk", "verified", "verified_stream", "verified_shards", "filtered", "streamed", "sharded",
+             "verified_sharded", "mismatch", "plan_failure", "read_failure", "different_bytes"]
 
 
 def worker_main(mode: str, d: str, rank: int, world: int, init_file: str) -> int:
@@ -554,6 +599,37 @@ def test_shards_are_each_ranks_block_read_once_between_the_ranks(world, ref, ckp
         fingerprints = fingerprint_bytes(ckpt) * n if n > 1 else 0
         most = total * 1.05 + 16 * 4096 * n + fingerprints
         assert total * 0.95 <= sum(r["sharded"]["read"] for r in ranks) <= most
+
+
+def test_verified_shards_are_each_ranks_blocks_of_files_read_and_hashed_once_in_the_group(world, ref, ckpt):
+    """`shard=` with `verify=`: each rank's blocks as unverified, every file read once from
+    storage and hashed once in the group; a byte flipped in any one file fails every rank
+    alike, naming that file."""
+    from fastsafetensors_rs.distributed import block
+
+    n, ranks = world
+    dims = {f"layers.{i}.w": 0 for i in range(4)} | {"lm_head": 1, "f4": 1}
+    for rank, r in enumerate(ranks):
+        got = r["verified_sharded"]["tensors"]
+        assert sorted(got) == sorted(ref)
+        for name, t in ref.items():
+            if name in dims:
+                start, stop = block(t.shape[dims[name]], n, rank)
+                t = t.narrow(dims[name], start, stop - start)
+            U.assert_same_tensor(got[name], t, name)
+    errors = {tuple(r["verified_sharded"]["errors"]) for r in ranks}
+    assert len(errors) == 1, errors
+    for i, (name, error) in enumerate(zip(FILES, errors.pop())):
+        assert error is not None and f"flipped{i}/{name}: digest mismatch" in error, error
+    hashed = [r["verified_sharded"]["hashed"] for r in ranks]
+    if n > 1:
+        pages = sum(-(-(ckpt / f).stat().st_size // 4096) * 4096 for f in FILES)
+        assert sum(hashed) == pages, (hashed, pages)
+    if U.supports_o_direct(ckpt):
+        total = file_bytes(ckpt)
+        fingerprints = fingerprint_bytes(ckpt) * n if n > 1 else 0
+        read = sum(r["verified_sharded"]["read"] for r in ranks)
+        assert total * 0.95 <= read <= total * 1.05 + fingerprints, (read, total)
 
 
 def test_ranks_asking_for_different_loads_are_refused_naming_the_difference(world):

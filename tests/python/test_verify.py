@@ -659,10 +659,3 @@ def test_safe_open_returns_nothing_of_an_unverified_header(tmp_path):
         with fst.safe_open(str(path), framework="pt", verify=verify) as f:
             with pytest.raises(SafetensorError, match="model.safetensors: digest mismatch"):
                 accessor(f)
-
-
-def test_verify_with_shard_is_refused_in_one_line(model):
-    """Rows read by their own rank alone are never in one place to hash: refused, saying what to
-    do instead, before anything is opened."""
-    with pytest.raises(ValueError, match="verify= is not supported with shard= yet"):
-        fst.load(str(model), verify=_digests(model), shard={"*": 0}, process_group=object())
