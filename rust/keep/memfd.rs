@@ -25,6 +25,7 @@ use std::ffi::CString;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::FileExt;
 
 use memmap2::{MmapMut, MmapOptions};
 
@@ -110,6 +111,11 @@ impl Memfd {
         }
         debug_assert_eq!(got, addr);
         Ok(())
+    }
+
+    /// Writes all of `bytes` at `offset` (`pwrite`): how a load fills the file.
+    pub fn write_at(&self, bytes: &[u8], offset: u64) -> io::Result<()> {
+        self.file.write_all_at(bytes, offset)
     }
 
     /// Seals the file: from now on nobody can change, grow or shrink it, nor remove the seals.

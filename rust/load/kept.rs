@@ -93,8 +93,10 @@ impl Planned {
 
     /// Reads `extents` into a new sealed memory file (`O_DIRECT` where the file allows it,
     /// else through the page cache: never a mapping of the file, whose bytes are not the
-    /// entry's), each buffer made private as soon as it is read, and puts the entry once every
-    /// file is read and checked.
+    /// entry's), written through staging buffers (see [`direct::read_extent_through`]) and
+    /// mapped privately from the start (sources that split their own reads: read into a shared
+    /// mapping, made private once read), and puts the entry once every file is read and
+    /// checked.
     fn fill(self, filling: Filling, entry: &Describe, extents: Vec<Extent>, options: &LoadOptions) -> Result<Loaded> {
         let how = match choose_reads(&self.sources, &extents, options.reader, true, true) {
             // More than the host memory left: a load without `keep` maps what does not fit.
@@ -111,6 +113,15 @@ impl Planned {
         let read = |(e, span): (&Extent, &Span)| -> Result<Arc<HostBuffer>> {
             let path = self.sources[e.file].path();
             let reader = readers[e.file].as_ref().expect("a reader for every file read");
+            if !reader.source().splits_reads() {
+                let map = memory
+                    .map_private(span.offset, span.len as usize)
+                    .map_err(|err| Error::io(path, "map the entry of", err))?;
+                let view = Arc::new(held(HostBuffer::new(map, reader.path()), &holding));
+                let write = |at: usize, bytes: &[u8]| memory.write_at(bytes, span.offset + at as u64);
+                direct::read_extent_through(reader, e, options.block, self.checks.file(e.file), &view, &write)?;
+                return Ok(view);
+            }
             let map = memory
                 .map_shared(span.offset, span.len as usize)
                 .map_err(|err| Error::io(path, "map the entry of", err))?;

@@ -68,6 +68,46 @@ pub(crate) fn read_extent_in(
     Ok(buffer)
 }
 
+/// [`read_extent`] into memory filled by calls rather than through a pointer: each block is
+/// read into a staging buffer of the reading thread's and handed to `write` with its offset in
+/// the extent, then reported to `check` from `view`, the same memory mapped. A kept entry's
+/// memory file is filled so (`pwrite`): the kernel allocates its shared-memory pages in the
+/// write, where reads into a mapping of it would take a fault, a zeroed page and a page-table
+/// entry for each, and the staging buffers' pages, present after their first block, cost a
+/// direct read nothing more. Sources that split reads of their own (one read of the whole
+/// extent) are not for this: their staging would be the whole extent.
+pub(crate) fn read_extent_through(
+    reader: &BlockReader,
+    extent: &Extent,
+    block: u64,
+    check: Option<&FileCheck>,
+    view: &Arc<HostBuffer>,
+    write: &(dyn Fn(usize, &[u8]) -> io::Result<()> + Sync),
+) -> Result<()> {
+    assert!(view.byte_len() as u64 >= extent.len, "a view of the extent");
+    let block = plan::io_block(block);
+    let path = reader.src.path();
+    let staging = std::sync::Mutex::new(Vec::<MmapMut>::new());
+    let read = |b: &ReadBlock| -> Result<()> {
+        let taken = staging.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let mut buf = match taken {
+            Some(buf) if buf.len() as u64 >= b.len => buf,
+            _ => alloc_for_reads(block.max(b.len), path)?,
+        };
+        reader.read(b, &mut buf[..b.len as usize])?;
+        let at = (b.offset - extent.start) as usize;
+        // Only the bytes that exist: past them the staging buffer holds an earlier block's.
+        write(at, &buf[..b.expected as usize]).map_err(|e| Error::io(path, "write the kept memory of", e))?;
+        staging.lock().unwrap_or_else(|e| e.into_inner()).push(buf);
+        if let Some(check) = check {
+            check.landed_in(b.offset, view, at, b.expected as usize);
+        }
+        Ok(())
+    };
+    let blocks = extent.blocks(reader.src.len(), IO_ALIGN, block);
+    io_pool().install(|| blocks.par_iter().try_for_each(read))
+}
+
 /// Where reads write into a buffer being filled: each read its own disjoint range.
 #[derive(Clone, Copy)]
 pub(crate) struct FillTarget(pub(crate) *mut u8);
