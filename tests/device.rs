@@ -615,6 +615,96 @@ fn without_a_driver_cuda_fails_cleanly() {
     }
 }
 
+/// Each file's `sha256:` digest, by name (`{i}.safetensors`).
+fn sha256_digests(files: &[Vec<u8>]) -> std::collections::BTreeMap<String, String> {
+    use sha2::Digest as _;
+    files
+        .iter()
+        .enumerate()
+        .map(|(i, f)| (format!("{i}.safetensors"), format!("sha256:{:x}", sha2::Sha256::digest(f))))
+        .collect()
+}
+
+/// A verified load shared by a group, to the device stand-in, run as the Python exchange runs
+/// it: each rank reads its piece of every chunk of every shared buffer through the staging
+/// ring (`read_to_device`, what `read_range` does for CUDA) — one memory here for the buffers
+/// the exchange leaves alike on every rank —, and the rank checking a file feeds its check
+/// each chunk from a host copy of the device buffer, in order, then finishes it. For 1 to 4
+/// ranks: the buffers hold the files' bytes, the right digests pass, and a byte flipped in
+/// either file fails that file's check alone, naming it.
+#[test]
+fn shared_verified_reads_to_the_device_stand_in() {
+    use fastsafetensors::load::{fanout, plan_verified};
+    use fastsafetensors::source;
+    use fastsafetensors::verify::{manifest, Verifier};
+    let dir = TempDir::new("shared-verified-device");
+    let (paths, files) = checkpoint(&dir);
+    let load = |signed: &[Vec<u8>], world: usize| -> Vec<bool> {
+        let verifier = Verifier::new(manifest::from_digests(&sha256_digests(signed)).unwrap(), false);
+        let planned = plan_verified(source::open_all(&paths).unwrap(), Some(&verifier)).unwrap();
+        let shared = planned.share(world, u64::MAX, 8192).unwrap();
+        let mut bases = Vec::new();
+        let mut end = 0u64;
+        for s in &shared {
+            bases.push(end);
+            end = (end + s.size).next_multiple_of(4096);
+        }
+        let device = HostMemoryDevice::new(end as usize);
+        for (s, &base) in shared.iter().zip(&bases) {
+            let src = &planned.sources[s.extent.file];
+            let check = planned.checks.files.iter().find(|c| c.path() == src.path()).expect("a check per file");
+            for c in &s.chunks {
+                for rank in 0..world {
+                    let (at, n) = c.read_by(rank, s.extent.len);
+                    if n > 0 {
+                        fanout::read_to_device(&device, src, s.extent.start + at, n, base + at, ReaderKind::Direct)
+                            .unwrap();
+                    }
+                }
+                assert_quiet(&device);
+                let stop = (c.offset + world as u64 * c.piece).min(s.extent.len);
+                let memory = device.memory();
+                check.landed_transient(
+                    s.extent.start + c.offset,
+                    &memory[(base + c.offset) as usize..(base + stop) as usize],
+                );
+            }
+            let memory = device.memory();
+            let file = &files[s.extent.file];
+            let (start, n) = (s.extent.start as usize, s.extent.expected as usize);
+            assert!(
+                memory[base as usize..base as usize + n] == file[start..start + n],
+                "buffer of {}",
+                src.path().display()
+            );
+        }
+        planned
+            .sources
+            .iter()
+            .map(|src| {
+                let check = planned.checks.files.iter().find(|c| c.path() == src.path()).unwrap();
+                match check.finish() {
+                    Ok(()) => true,
+                    Err(e) => {
+                        assert!(matches!(&e, Error::DigestMismatch { path, .. } if path == src.path()), "{e}");
+                        false
+                    }
+                }
+            })
+            .collect()
+    };
+    for world in 1..=4 {
+        assert_eq!(load(&files, world), [true, true], "{world} ranks");
+        for flipped in 0..files.len() {
+            let mut signed = files.clone();
+            let middle = signed[flipped].len() / 2;
+            signed[flipped][middle] ^= 1;
+            let expected: Vec<bool> = (0..files.len()).map(|f| f != flipped).collect();
+            assert_eq!(load(&signed, world), expected, "{world} ranks, file {flipped} signed otherwise");
+        }
+    }
+}
+
 /// A verified load to the device stand-in hashes the bytes in the staging slots: the right
 /// digests pass, and a byte changed after signing fails naming the file, for every ring size
 /// (so blocks complete out of order, and those ahead of a gap are kept as copies).

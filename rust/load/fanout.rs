@@ -9,7 +9,7 @@ use rayon::prelude::*;
 use super::Planned;
 use crate::device::driver::{Context, RawEvent};
 use crate::device::staged::{self, StagedFile};
-use crate::device::{CudaDevice, StagingOptions};
+use crate::device::{CudaDevice, Device, StagingOptions};
 use crate::error::{Error, Result};
 use crate::plan::fanout::{self, SharedExtent};
 use crate::plan::{self, ExtentPolicy, ReadBlock, IO_ALIGN};
@@ -75,17 +75,29 @@ pub fn read_to_cuda(
     ready: Option<RawEvent>,
     reader: ReaderKind,
 ) -> Result<ReadPath> {
+    let device = CudaDevice::new(Context::primary(ordinal)?, ready)?;
+    read_to_device(&device, src, offset, len, dst, reader)
+}
+
+/// [`read_to_cuda`] on any [`Device`] (the host-memory stand-in, in tests).
+pub fn read_to_device<D: Device>(
+    device: &D,
+    src: &Arc<dyn Source>,
+    offset: u64,
+    len: u64,
+    dst: u64,
+    reader: ReaderKind,
+) -> Result<ReadPath> {
     if offset % IO_ALIGN != 0 || len % IO_ALIGN != 0 {
         return Err(Error::InvalidArgument(format!(
             "{}: a read to a CUDA device takes whole pages ({len} bytes at {offset})",
             src.path().display()
         )));
     }
-    let device = CudaDevice::new(Context::primary(ordinal)?, ready)?;
     let direct = source::choose(&**src, reader)? == HostRead::Direct;
     let reader = BlockReader::open(Arc::clone(src), direct)?;
     let file = StagedFile { reader: &reader, dst, start: offset, len, check: None };
-    let paths = staged::copy_files(&device, &[file], &StagingOptions::default())?;
+    let paths = staged::copy_files(device, &[file], &StagingOptions::default())?;
     src.check_unchanged()?;
     Ok(paths[0])
 }
