@@ -713,17 +713,9 @@ fn verified_staged_copies_hash_the_staging_slots() {
     use fastsafetensors::load::plan_verified;
     use fastsafetensors::source;
     use fastsafetensors::verify::{manifest, Verifier};
-    use sha2::Digest as _;
     let dir = TempDir::new("verified-staged");
     let (paths, files) = checkpoint(&dir);
-    let digests = |files: &[Vec<u8>]| {
-        files
-            .iter()
-            .enumerate()
-            .map(|(i, f)| (format!("{i}.safetensors"), format!("sha256:{:x}", sha2::Sha256::digest(f))))
-            .collect()
-    };
-    let verifier = Verifier::new(manifest::from_digests(&digests(&files)).unwrap(), false);
+    let verifier = Verifier::new(manifest::from_digests(&sha256_digests(&files)).unwrap(), false);
     for (block, slots) in [(4096, 1), (4096, 3), (8192, 8)] {
         let planned = plan_verified(source::open_all(&paths).unwrap(), Some(&verifier)).unwrap();
         let (targets, len) = layout(&planned, 512);
@@ -736,7 +728,7 @@ fn verified_staged_copies_hash_the_staging_slots() {
     let mut changed = files.clone();
     let last = changed[1].len() - 1;
     changed[1][last] ^= 1;
-    let verifier = Verifier::new(manifest::from_digests(&digests(&changed)).unwrap(), false);
+    let verifier = Verifier::new(manifest::from_digests(&sha256_digests(&changed)).unwrap(), false);
     let planned = plan_verified(source::open_all(&paths).unwrap(), Some(&verifier)).unwrap();
     let (targets, len) = layout(&planned, 512);
     let device = HostMemoryDevice::new(len);

@@ -410,14 +410,13 @@ def sharded_load(paths: Sequence[str], device: str, dtype: Optional[torch.dtype]
     dist = _dist()
     world, rank = group_size(group), dist.get_rank(group)
     files = checkpoint_files(paths)
-    handle = ops.open_handle(files, cache_dir)
+    handle = ops.open_handle(files, cache_dir, verify)
     try:
         selected = list(ops.selected(files, patterns, mode, handle))
         dtypes, shapes, file_of = _headers(files, handle)
         dims = _shard_dims(selected, shard, files, handle, shapes)
         if verify is not None:
-            return _verified_blocks(files, device, dtype, reader, selected, dims, group, world, rank, cache_dir,
-                                    verify)
+            return _verified_blocks(files, device, dtype, reader, selected, dims, group, world, rank, handle, verify)
         rows = [n for n in selected if dims.get(n) == 0]
         columns = [n for n in selected if dims.get(n, 0) > 0]
         whole = [n for n in selected if n not in dims]
@@ -451,15 +450,14 @@ def sharded_load(paths: Sequence[str], device: str, dtype: Optional[torch.dtype]
 
 def _verified_blocks(files: Sequence[str], device: str, dtype: Optional[torch.dtype], reader: Optional[str],
                      selected: List[str], dims: Dict[str, int], group: Any, world: int, rank: int,
-                     cache_dir: Optional[str], verify: str) -> Dict[str, torch.Tensor]:
+                     handle: int, verify: str) -> Dict[str, torch.Tensor]:
     """`sharded_load` verified: a file's digest covers all of it, and row blocks read by their
     own ranks are never in one place to hash. So the load is a verified shared load (each
     byte read once in the group, each file hashed once, by one rank, every verdict known to
     every rank before anything is returned) of every selected tensor, and each rank keeps its
     blocks of what arrives, one buffer at a time. The price: every rank receives every byte,
     as with `process_group=` alone, where unverified row blocks go over the group not at all."""
-    shared = SharedLoad(files, device, dtype, reader, selected, "exact", group, None, False, cache_dir=cache_dir,
-                        verify=verify)
+    shared = SharedLoad(files, device, dtype, reader, selected, "exact", group, None, False, handle, verify=verify)
     out: Dict[str, torch.Tensor] = {}
     for buffer in shared.buffers():
         for name, t in buffer:

@@ -129,6 +129,12 @@ class Worker:
         out = load()
         return out, read_bytes() - before
 
+    def _digests(self) -> dict:
+        """Each file's sha256 digest, by name: what `fst.Digests` takes."""
+        import hashlib
+
+        return {Path(f).name: "sha256:" + hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in self.files}
+
     def _cold(self, files) -> None:
         """Every file evicted from the page cache, by rank 0, before every rank goes on."""
         if self.rank == 0:
@@ -148,13 +154,11 @@ class Worker:
     def verified(self) -> dict:
         """A verified shared load: every file checked once by one rank; a digest that does not
         match (the last file's, replaced) fails every rank alike."""
-        import hashlib
-
         import fastsafetensors_rs as fst
 
         from fastsafetensors_rs.distributed import verified_bytes
 
-        digests = {Path(f).name: "sha256:" + hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in self.files}
+        digests = self._digests()
         before = verified_bytes()
         out = fst.load(self.files, process_group=self.group, verify=fst.Digests(digests))
         hashed = verified_bytes() - before
@@ -170,11 +174,9 @@ class Worker:
         """A verified shared stream (and a verified handle's `tensors()`): bit-exact, each file
         hashed once in the group; the first file's digest wrong fails every rank at the end of
         that file, before any tensor of a later file."""
-        import hashlib
-
         import fastsafetensors_rs as fst
 
-        digests = {Path(f).name: "sha256:" + hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in self.files}
+        digests = self._digests()
         out = {n: t.clone() for n, t in fst.stream(self.files, process_group=self.group, max_memory="1M",
                                                      verify=fst.Digests(digests))}
         with fst.safe_open(self.files[1:], verify=fst.Digests(digests)) as f:
@@ -242,14 +244,11 @@ class Worker:
     def verified_sharded(self) -> dict:
         """`shard=` verified: the blocks, the bytes this rank read (cold) and hashed; then one
         byte flipped in each file in turn (`flipped{i}/`), each load's error."""
-        import hashlib
-
         import fastsafetensors_rs as fst
 
         from fastsafetensors_rs.distributed import verified_bytes
 
-        digests = fst.Digests({Path(f).name: "sha256:" + hashlib.sha256(Path(f).read_bytes()).hexdigest()
-                               for f in self.files})
+        digests = fst.Digests(self._digests())
         spec = {"layers.*.w": 0, "lm_head": 1, "f4": -1}
 
         def load(files):
@@ -466,6 +465,11 @@ def file_bytes(ckpt, names=FILES) -> int:
     return sum((ckpt / f).stat().st_size for f in names)
 
 
+def page_bytes(ckpt, names=FILES) -> int:
+    """The files' sizes, each rounded up to whole pages: what a group hashes of them."""
+    return sum(-(-(ckpt / f).stat().st_size // 4096) * 4096 for f in names)
+
+
 def fingerprint_bytes(ckpt, names=FILES) -> int:
     """What each rank reads to fingerprint the files before a shared load: a 4 KiB page per
     MiB of each file, 4 to 64 (see docs/distributed.md)."""
@@ -513,7 +517,7 @@ def test_a_verified_load_checks_each_file_once_and_fails_every_rank_alike(world,
     # Each file hashed once in the group, by one rank: the ranks' bytes add up to the files'
     # (each rounded up to whole pages), and no rank hashes more than its share or one file.
     hashed = [r["verified"]["hashed"] for r in results]
-    pages = sum(-(-(ckpt / f).stat().st_size // 4096) * 4096 for f in FILES)
+    pages = page_bytes(ckpt)
     assert sum(hashed) == pages, (hashed, pages)
     biggest = max((ckpt / f).stat().st_size for f in FILES)
     assert max(hashed) <= max(pages / n, biggest) + 4096, hashed
@@ -575,19 +579,29 @@ def test_streams_hand_out_every_tensor_in_read_order(world, ref, ckpt):
         U.assert_same_dict(s["safe_open"], layers)
 
 
+# The blocks the `sharded` scenarios ask for (`"f4": -1` is its last dimension, 1).
+SHARD_DIMS = {f"layers.{i}.w": 0 for i in range(4)} | {"lm_head": 1, "f4": 1}
+
+
+def assert_blocks(got: dict, ref: dict, world: int, rank: int) -> None:
+    """`got` is rank `rank`'s load of `ref` with the shards of SHARD_DIMS: its block of each
+    of those tensors, every other tensor whole, bit for bit."""
+    from fastsafetensors_rs.distributed import block
+
+    assert sorted(got) == sorted(ref)
+    for name, t in ref.items():
+        if name in SHARD_DIMS:
+            start, stop = block(t.shape[SHARD_DIMS[name]], world, rank)
+            t = t.narrow(SHARD_DIMS[name], start, stop - start)
+        U.assert_same_tensor(got[name], t, name)
+
+
 def test_shards_are_each_ranks_block_read_once_between_the_ranks(world, ref, ckpt):
     from fastsafetensors_rs.distributed import block
 
     n, ranks = world
-    dims = {f"layers.{i}.w": 0 for i in range(4)} | {"lm_head": 1, "f4": 1}
     for rank, r in enumerate(ranks):
-        got = r["sharded"]["tensors"]
-        assert sorted(got) == sorted(ref)
-        for name, t in ref.items():
-            if name in dims:
-                start, stop = block(t.shape[dims[name]], n, rank)
-                t = t.narrow(dims[name], start, stop - start)
-            U.assert_same_tensor(got[name], t, name)
+        assert_blocks(r["sharded"]["tensors"], ref, n, rank)
         cast = r["sharded"]["cast"]
         start, stop = block(ref["layers.2.w"].shape[1], n, rank)
         assert torch.equal(cast["layers.2.w"], ref["layers.2.w"].float().narrow(1, start, stop - start))
@@ -605,25 +619,16 @@ def test_verified_shards_are_each_ranks_blocks_of_files_read_and_hashed_once_in_
     """`shard=` with `verify=`: each rank's blocks as unverified, every file read once from
     storage and hashed once in the group; a byte flipped in any one file fails every rank
     alike, naming that file."""
-    from fastsafetensors_rs.distributed import block
-
     n, ranks = world
-    dims = {f"layers.{i}.w": 0 for i in range(4)} | {"lm_head": 1, "f4": 1}
     for rank, r in enumerate(ranks):
-        got = r["verified_sharded"]["tensors"]
-        assert sorted(got) == sorted(ref)
-        for name, t in ref.items():
-            if name in dims:
-                start, stop = block(t.shape[dims[name]], n, rank)
-                t = t.narrow(dims[name], start, stop - start)
-            U.assert_same_tensor(got[name], t, name)
+        assert_blocks(r["verified_sharded"]["tensors"], ref, n, rank)
     errors = {tuple(r["verified_sharded"]["errors"]) for r in ranks}
     assert len(errors) == 1, errors
     for i, (name, error) in enumerate(zip(FILES, errors.pop())):
         assert error is not None and f"flipped{i}/{name}: digest mismatch" in error, error
     hashed = [r["verified_sharded"]["hashed"] for r in ranks]
     if n > 1:
-        pages = sum(-(-(ckpt / f).stat().st_size // 4096) * 4096 for f in FILES)
+        pages = page_bytes(ckpt)
         assert sum(hashed) == pages, (hashed, pages)
     if U.supports_o_direct(ckpt):
         total = file_bytes(ckpt)
