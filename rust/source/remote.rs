@@ -886,13 +886,28 @@ impl Retries {
 
     /// Whether to try again after `e`; if so, once the gap has passed.
     async fn again(&mut self, e: &object_store::Error) -> bool {
-        if self.done >= self.max || !retryable(e) || self.first.elapsed() + self.gap > RETRY_WINDOW {
+        if !retryable(e) {
             return false;
         }
-        tokio::time::sleep(self.gap).await;
+        match self.next_wait(self.first.elapsed()) {
+            Some(wait) => {
+                tokio::time::sleep(wait).await;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The wait before the next try, after a failure a retry may mend `elapsed` after the
+    /// first try; None: no more tries.
+    fn next_wait(&mut self, elapsed: Duration) -> Option<Duration> {
+        if self.done >= self.max || elapsed + self.gap > RETRY_WINDOW {
+            return None;
+        }
+        let wait = self.gap;
         self.gap = (self.gap * 2).min(MAX_RETRY_GAP);
         self.done += 1;
-        true
+        Some(wait)
     }
 
     /// The error `e` ends the request with, saying how long it was retried.
@@ -1067,6 +1082,34 @@ mod tests {
         let plain = locate("http://127.0.0.1:9/m.safetensors").unwrap();
         assert!(!Arc::ptr_eq(&v2.store, &v3.store) && !Arc::ptr_eq(&v2.store, &plain.store));
         assert!(Arc::ptr_eq(&v2.store, &locate("http://127.0.0.1:9/other?v=2").unwrap().store));
+    }
+
+    #[test]
+    fn retries_double_from_a_tenth_of_a_second_to_eight_within_two_minutes() {
+        let retries = |max| Retries { first: std::time::Instant::now(), gap: FIRST_RETRY_GAP, done: 0, max };
+        // The documented schedule: 10 retries, 0.1 s doubling to at most 8 s, 36.7 s in all.
+        let mut r = retries(10);
+        let mut elapsed = Duration::ZERO;
+        let mut waits = Vec::new();
+        while let Some(wait) = r.next_wait(elapsed) {
+            waits.push(wait.as_millis());
+            elapsed += wait;
+        }
+        assert_eq!(waits, [100, 200, 400, 800, 1600, 3200, 6400, 8000, 8000, 8000]);
+        assert_eq!(elapsed, Duration::from_millis(36_700));
+        // However many retries are allowed, none starts past 2 minutes after the first try.
+        let mut r = retries(1000);
+        let mut elapsed = Duration::ZERO;
+        let mut tries = 0;
+        while let Some(wait) = r.next_wait(elapsed) {
+            elapsed += wait;
+            tries += 1;
+        }
+        assert!(elapsed <= RETRY_WINDOW && elapsed + MAX_RETRY_GAP > RETRY_WINDOW, "{elapsed:?}");
+        assert_eq!(tries, 20, "7 doubling gaps (12.7 s), then 13 of 8 s (104 s)");
+        // Time spent in the tries themselves counts too.
+        assert_eq!(retries(10).next_wait(Duration::from_millis(119_950)), None);
+        assert_eq!(retries(0).next_wait(Duration::ZERO), None);
     }
 
     #[test]

@@ -340,6 +340,29 @@ def test_a_directory_others_can_enter_is_refused(keep_dir, model, capfd):
     assert keep.status() is None
 
 
+def test_a_directory_of_another_owner_or_a_link_is_refused(keep_dir, model, tmp_path, capfd):
+    """docs/keep.md: the keeper's directory must be the user's own, mode 0700. A 0700 directory
+    of another user (which root could enter, and whose socket another user's keeper would
+    answer on), or a link to a directory of one's own, is refused: the load reads, saying so."""
+    d, expected = model
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    keep_dir.symlink_to(mine)
+    U.assert_same_dict(fst.load_file(d, keep=True), expected)
+    err = capfd.readouterr().err
+    assert "not a directory" in err and str(keep_dir) in err, err
+    assert keep.status() is None and not any(mine.iterdir())
+    if os.geteuid() != 0:
+        return  # giving a directory to another user takes root
+    keep_dir.unlink()
+    keep_dir.mkdir(mode=0o700)
+    os.chown(keep_dir, 65534, 65534)
+    U.assert_same_dict(fst.load_file(d, keep=True), expected)
+    err = capfd.readouterr().err
+    assert "must be yours alone" in err and "owner uid 65534" in err, err
+    assert keep.status() is None and not any(keep_dir.iterdir())
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
 def test_another_users_process_is_refused(keep_dir, model, tmp_path):
     d, _ = model

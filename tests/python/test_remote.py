@@ -275,6 +275,33 @@ def test_a_file_replaced_on_an_http_server_is_an_error(http_server, local_models
     target.unlink()
 
 
+def test_a_server_that_ignores_the_version_asked_for_cannot_mix_two(local_models, tmp_path):
+    """docs/remote.md: each answer's size, ETag and Last-Modified are compared with the version
+    opened, so a server that ignores If-Match and If-Unmodified-Since still cannot hand out
+    a mix of two versions; with neither validator, the size is compared."""
+    src = (local_models / "big" / "model.safetensors").read_bytes()
+    root = tmp_path / "served"
+    root.mkdir()
+    target = root / "model.safetensors"
+    # (ETag, Last-Modified, the new version's bytes): a new ETag (a new inode); a new date;
+    # with no validator, a new size.
+    for etag, last_modified, new in ((True, True, src), (False, True, src), (False, False, src + b"\0" * 4096)):
+        target.write_bytes(src)
+        with FileServer(root, etag=etag, last_modified=last_modified) as server:
+            server.ignore_conditions = True
+            with fst.safe_open(f"{server.url}/model.safetensors", framework="pt") as f:
+                tmp = target.with_suffix(".tmp")
+                tmp.write_bytes(new)
+                later = target.stat().st_mtime + 10
+                os.utime(tmp, (later, later))
+                tmp.replace(target)
+                with pytest.raises(RuntimeError, match=r"model.safetensors: the object changed") as e:
+                    f.get_tensor("b")
+                assert "\n" not in str(e.value), e.value
+        assert any("If-Match" in h or "If-Unmodified-Since" in h for h in server.headers_seen[1:]) == (
+            etag or last_modified), server.headers_seen
+
+
 def test_a_server_killed_mid_load_fails_the_load_promptly(local_models, tmp_path, monkeypatch):
     monkeypatch.setenv("FASTSAFETENSORS_REMOTE_TIMEOUT", "3")
     monkeypatch.setenv("FASTSAFETENSORS_REMOTE_RETRIES", "2")
@@ -388,6 +415,32 @@ def test_wrong_credentials_are_refused_without_showing_them(s3_env, monkeypatch)
     message = str(e.value)
     assert message.startswith(f"{url}: access denied"), message
     assert secret not in message and s3_env.secret not in message
+
+
+def test_no_secret_reaches_an_error_or_a_debug_log(s3_env, monkeypatch):
+    """docs/remote.md: a store's credentials are used and never shown. A load with the right
+    ones and loads with a wrong secret key and a session token, with debug logging on: the
+    secrets appear in no error, log line or output."""
+    url = f"s3://{BUCKET}/single/all.safetensors"
+    script = ("import sys, fastsafetensors_rs as f\n"
+              "try:\n    print(sorted(f.load_file(sys.argv[1])))\n"
+              "except Exception as e:\n    print('ERROR', e)\n")
+
+    def run(**env):
+        out = subprocess.run([sys.executable, "-c", script, url], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "FASTSAFETENSORS_LOG": "debug", **env})
+        assert out.returncode == 0, out
+        return out
+
+    good = run()
+    assert "ERROR" not in good.stdout and "read with" in good.stderr, good
+    wrong, token = "W" * 40, "SESSION-TOKEN-SECRET"
+    bad = run(AWS_SECRET_ACCESS_KEY=wrong, AWS_SESSION_TOKEN=token)
+    assert f"ERROR {url}: access denied" in bad.stdout, bad
+    for out in (good, bad):
+        for text in (out.stdout, out.stderr):
+            for secret in (s3_env.secret, wrong, token):
+                assert secret not in text, (secret, text)
 
 
 def test_a_missing_key_or_bucket_is_named(s3_env):

@@ -203,6 +203,32 @@ def test_a_partial_read_is_refused_or_read_whole_with_full(model):
         fst.load(str(model), tensor_filter=[name], verify=Digests(digests.digests, full=True))
 
 
+def test_nothing_verified_is_remembered_between_loads(model):
+    """docs/verify.md: every verified load hashes every byte it reads. A byte changed in place
+    with the file's size and mtime put back (what a record keyed on them would miss) fails the
+    next load, whichever reader and entry point reads it."""
+    digests = _digests(model)
+    path = model / FILES[1]
+    st = path.stat()
+    for load in (lambda: fst.load(str(model), verify=digests),
+                 lambda: fst.load(str(model), verify=digests, reader="mmap"),
+                 lambda: fst.load(str(model), verify=digests, reader="direct")):
+        U.assert_same_dict(load(), _expected(model))
+    with open(path, "r+b") as f:
+        f.seek(st.st_size - 1)
+        last = f.read(1)
+        f.seek(st.st_size - 1)
+        f.write(bytes([last[0] ^ 0x01]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    for reader in ("auto", "mmap", "direct"):
+        with pytest.raises(SafetensorError, match=f"{FILES[1]}: digest mismatch"):
+            fst.load(str(model), verify=digests, reader=reader)
+    with fst.safe_open(str(path), framework="pt", verify=digests) as f:
+        with pytest.raises(SafetensorError, match="digest mismatch"):
+            f.get_tensor(next(iter(f.keys())))
+
+
 def test_get_slice_of_a_verified_handle(model):
     """A slice's shape comes from the header, which is checked with the file: a verified
     handle reads the file whole (and checks it) before `get_slice` returns, full=True or not."""
