@@ -26,7 +26,8 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, Result};
 use crate::plan::save::{INDEX_FILE, SINGLE_FILE};
 use crate::settings::setting;
-use crate::sink::{abandoned, lock, parent, parse_temp_name, publish, refuse_directory, remove_abandoned, sync_dir};
+use crate::sink::{abandoned, abandoned_entries, lock, parent, parse_temp_name, publish, refuse_directory};
+use crate::sink::{remove_abandoned, sync_dir};
 use crate::sink::{remove_stale_temps, temp_name, FileSink, Sink};
 
 /// The variable that picks how a checkpoint directory is committed.
@@ -102,6 +103,7 @@ impl CheckpointDir {
     /// (unless `commit` or the directory asks for an in-place commit).
     pub fn prepare(dir: &Path, names: &[String], commit: Commit) -> Result<CheckpointDir> {
         let shown = dir.to_owned();
+        finish_interrupted_commits(dir);
         let exists = match std::fs::metadata(dir) {
             Ok(m) if m.is_dir() => true,
             Ok(_) => return Err(Error::io(dir, "create_dir_all", std::io::Error::from_raw_os_error(libc::EEXIST))),
@@ -273,8 +275,10 @@ impl CheckpointDir {
         match exchanged {
             Ok(()) => stage.committed = true,
             Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP)) => {
-                // No exchange here (NFS): the old directory aside, then the new one in place.
-                let aside = up.join(temp_name(&stage_name(&self.real)));
+                // No exchange here (NFS): the old directory aside, then the new one in place
+                // (a kill between the two is mended by the next save into `dir`:
+                // [`finish_interrupted_commits`]).
+                let aside = up.join(temp_name(&aside_name(&stage_name(&self.real))));
                 match std::fs::rename(&self.real, &aside) {
                     Ok(()) => {}
                     Err(e)
@@ -303,6 +307,46 @@ impl CheckpointDir {
         move_newcomers(&stage.path, &self.real, true);
         let _ = std::fs::remove_dir_all(&stage.path);
         Ok(true)
+    }
+}
+
+/// The name (before [`temp_name`] makes it hidden) of directory `name` set aside by a commit
+/// by renames: not `name`, so that no save takes it for an abandoned staging directory.
+fn aside_name(name: &str) -> String {
+    format!("{name}~old")
+}
+
+/// Finishes the commits by renames into `dir` that were killed (or failed) between their two
+/// renames, and removes what the last step of such a commit had yet to. Without this, the next
+/// save into `dir` would find no `dir` and remove both hidden directories as abandoned: the new
+/// checkpoint and the old one, with the directory's other files.
+/// - No `dir`: the complete new directory, staged by the same process as the old one set aside
+///   (and synced before it was), is renamed into place; where there is not exactly one, the old
+///   one goes back.
+/// - With `dir` in place, the old directory left aside goes, as the commit would have removed
+///   it (what appeared in it meanwhile moved into `dir` first).
+fn finish_interrupted_commits(dir: &Path) {
+    let Some(name) = dir.file_name().and_then(|n| n.to_str()) else { return };
+    let up = parent(dir);
+    let aside = aside_name(name);
+    for (old, pid, _) in abandoned_entries(&up, |n, kind| kind.is_dir() && n == aside) {
+        if std::fs::symlink_metadata(dir).is_err() {
+            let staged = abandoned_entries(&up, |n, kind| kind.is_dir() && n == name);
+            let mut of_that_save = staged.iter().filter(|(_, p, _)| *p == pid).map(|(path, _, _)| path);
+            let back = match (of_that_save.next(), of_that_save.next()) {
+                (Some(new), None) => new,
+                _ => &old,
+            };
+            if std::fs::rename(back, dir).is_err() {
+                continue;
+            }
+            let _ = sync_dir(&up);
+            if back == &old {
+                continue;
+            }
+        }
+        move_newcomers(&old, dir, true);
+        let _ = std::fs::remove_dir_all(&old);
     }
 }
 
@@ -644,6 +688,81 @@ mod tests {
         let beside: Vec<String> = tree(&root).into_keys().filter(|n| !n.starts_with("ckpt")).collect();
         assert_eq!(beside, [format!(".other.{dead}.3.tmp")]);
         std::fs::remove_dir_all(root).unwrap();
+    }
+
+    #[test]
+    fn a_commit_by_renames_killed_between_them_is_finished_by_the_next_save() {
+        // What a commit by renames killed between its renames leaves beside `dir`: the old
+        // directory set aside and the complete new one, both of one (dead) process.
+        let dead = 4_194_305u32;
+        let killed = |root: &Path| {
+            let new = root.join(format!(".ckpt.{dead}.3.tmp"));
+            let old = root.join(format!(".{}.{dead}.4.tmp", aside_name("ckpt")));
+            std::fs::create_dir(&new).unwrap();
+            std::fs::create_dir(&old).unwrap();
+            for (name, bytes) in [("model.safetensors", "new"), ("config.json", "config"), ("mine.txt", "mine")] {
+                std::fs::write(new.join(name), bytes).unwrap();
+            }
+            for (name, bytes) in [("model.safetensors", "old"), ("config.json", "config"), ("mine.txt", "mine")] {
+                std::fs::write(old.join(name), bytes).unwrap();
+            }
+            (new, old)
+        };
+        let listing = |entries: &[(&str, &str)]| {
+            entries.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<std::collections::BTreeMap<_, _>>()
+        };
+        let new_checkpoint = listing(&[("config.json", "config"), ("mine.txt", "mine"), ("model.safetensors", "new")]);
+
+        // The next save finds no `dir`: the killed commit is finished first (the new checkpoint
+        // with the user's files in place, the old one gone), then the save replaces it.
+        let root = tempdir("killed-rename");
+        let dir = root.join("ckpt");
+        killed(&root);
+        finish_interrupted_commits(&dir);
+        assert_eq!(tree(&root), tree_with_prefix("ckpt", &new_checkpoint));
+        killed(&root);
+        std::fs::remove_dir_all(&dir).unwrap();
+        save(&dir, &[("model.safetensors", "newer")], Commit::Rename).unwrap();
+        let newer = listing(&[("config.json", "config"), ("mine.txt", "mine"), ("model.safetensors", "newer")]);
+        assert_eq!(tree(&root), tree_with_prefix("ckpt", &newer));
+
+        // Killed after the second rename: `dir` is the new checkpoint, and the old one left
+        // aside goes, what appeared in it meanwhile moved over first.
+        std::fs::remove_dir_all(&dir).unwrap();
+        let (new, old) = killed(&root);
+        std::fs::rename(&new, &dir).unwrap();
+        std::fs::write(old.join("late.txt"), "late").unwrap();
+        finish_interrupted_commits(&dir);
+        let mut with_late = new_checkpoint.clone();
+        with_late.insert("late.txt".into(), "late".into());
+        assert_eq!(tree(&root), tree_with_prefix("ckpt", &with_late));
+
+        // No new directory to be found (two, or none): the old one goes back.
+        std::fs::remove_dir_all(&dir).unwrap();
+        let (new, _) = killed(&root);
+        std::fs::remove_dir_all(&new).unwrap();
+        finish_interrupted_commits(&dir);
+        let old_checkpoint = listing(&[("config.json", "config"), ("mine.txt", "mine"), ("model.safetensors", "old")]);
+        assert_eq!(tree(&root), tree_with_prefix("ckpt", &old_checkpoint));
+
+        // A live process's aside is left alone.
+        std::fs::remove_dir_all(&dir).unwrap();
+        let live = root.join(format!(".{}.{}.9.tmp", aside_name("ckpt"), std::process::id()));
+        std::fs::create_dir(&live).unwrap();
+        finish_interrupted_commits(&dir);
+        assert!(live.is_dir() && !dir.exists());
+        std::fs::remove_dir_all(root).unwrap();
+    }
+
+    /// `entries` as [`tree`] lists them under directory `name`.
+    fn tree_with_prefix(
+        name: &str,
+        entries: &std::collections::BTreeMap<String, String>,
+    ) -> std::collections::BTreeMap<String, String> {
+        let mut out: std::collections::BTreeMap<_, _> =
+            entries.iter().map(|(k, v)| (format!("{name}/{k}"), v.clone())).collect();
+        out.insert(name.to_owned(), "/".into());
+        out
     }
 
     #[test]

@@ -265,20 +265,32 @@ pub fn remove_stale_temps(dir: &Path) {
 /// Removes the entries `.NAME.PID.N.tmp` of `dir` that `ours(NAME, kind)` claims and whose
 /// writer is gone ([`abandoned`]).
 pub(crate) fn remove_abandoned(dir: &Path, ours: impl Fn(&str, std::fs::FileType) -> bool) {
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some((final_name, pid)) = name.to_str().and_then(parse_temp_name) else { continue };
-        let Ok(kind) = entry.file_type() else { continue };
-        let path = entry.path();
-        if !ours(final_name, kind) || !abandoned(&path, pid) {
-            continue;
-        }
+    for (path, _, kind) in abandoned_entries(dir, ours) {
         let _ = match kind.is_dir() {
             true => std::fs::remove_dir_all(&path),
             false => std::fs::remove_file(&path),
         };
     }
+}
+
+/// The entries `.NAME.PID.N.tmp` of `dir` that `ours(NAME, kind)` claims and whose writer is
+/// gone ([`abandoned`]): each path, its writer's process id and its kind.
+pub(crate) fn abandoned_entries(
+    dir: &Path,
+    ours: impl Fn(&str, std::fs::FileType) -> bool,
+) -> Vec<(PathBuf, u32, std::fs::FileType)> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    let mut found = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some((final_name, pid)) = name.to_str().and_then(parse_temp_name) else { continue };
+        let Ok(kind) = entry.file_type() else { continue };
+        let path = entry.path();
+        if ours(final_name, kind) && abandoned(&path, pid) {
+            found.push((path, pid, kind));
+        }
+    }
+    found
 }
 
 /// A sink in memory, for tests of what is written where: every write is kept.
