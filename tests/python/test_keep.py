@@ -330,6 +330,37 @@ def test_changed_files_are_never_attached(keep_dir, model):
     assert entry["attaches"] == 0
 
 
+def test_dropping_an_entry_leaves_its_tensors_valid(keep_dir, model):
+    """docs/keep.md: dropping an entry never invalidates a tensor. Tensors attached to an entry
+    (and the filling load's) keep their bytes after `keep.drop`, and the next load reads."""
+    d, expected = model
+    filled = fst.load_file(d, keep=True)
+    attached = fst.load_file(d, keep=True)
+    [entry] = keep.entries()
+    assert entry["attaches"] == 1, entry
+    keep.drop(str(d))
+    assert keep.entries() == []
+    for tensors in (filled, attached):
+        U.assert_same_dict(tensors, expected)
+    _, how = _load_report(d)
+    assert "kept" not in how, how
+
+
+@pytest.mark.parametrize("variable,value", [("FASTSAFETENSORS_KEEP_MEMORY", "lots"),
+                                            ("FASTSAFETENSORS_KEEP_DEVICE_MEMORY", "-1G"),
+                                            ("FASTSAFETENSORS_KEEP_IDLE", "soon")])
+def test_a_malformed_setting_fails_the_load_naming_it(keep_dir, model, monkeypatch, variable, value):
+    """docs/keep.md: a malformed keep setting fails the load that reads it, naming it, and
+    starts no keeper."""
+    d, _ = model
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(Exception) as e:
+        fst.load_file(d, keep=True)
+    message = str(e.value)
+    assert "\n" not in message and variable in message and value in message, message
+    assert keep.status() is None
+
+
 def test_a_directory_others_can_enter_is_refused(keep_dir, model, capfd):
     d, expected = model
     keep_dir.mkdir(mode=0o755)

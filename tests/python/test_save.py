@@ -390,6 +390,11 @@ def test_a_save_within_the_limit_is_one_model_safetensors(tmp_path):
     e = tmp_path / "units"
     assert len(fastsafetensors_rs.save(tensors, e, max_shard_size="0.01MB")) > 2  # 10 KB
     assert len(fastsafetensors_rs.save(tensors, tmp_path / "units2", max_shard_size="1MiB")) == 1
+    # "MB" is 10^6 bytes and "MiB" 2^20: 1,040,000 bytes of tensors fit the second, not the first.
+    two = {"a": torch.zeros(130_000), "b": torch.ones(130_000)}
+    names = [Path(p).name for p in fastsafetensors_rs.save(two, tmp_path / "mb", max_shard_size="1MB")]
+    assert names == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", INDEX], names
+    assert fastsafetensors_rs.save(two, tmp_path / "mib", max_shard_size="1MiB") == [str(tmp_path / "mib" / SINGLE)]
 
 
 def test_a_tensor_over_the_limit_is_a_shard_of_its_own(tmp_path):
@@ -580,6 +585,8 @@ REFUSED = {
                      "tensor 'b' cannot be saved: it shares memory with tensor 'a'"),
     "shared-view": (_shared_view, None, SafetensorError,
                     "tensor 'b' cannot be saved: it shares memory with tensor 'a'"),
+    "interleaved-views": (lambda: (lambda x: {"a": x[::2], "b": x[1::2]})(torch.arange(8.0)), None, SafetensorError,
+                          "tensor 'b' cannot be saved: it shares memory with tensor 'a'"),
     "complex128": (lambda: {"ok": _x(), "c": torch.zeros(2, dtype=torch.complex128)}, None, SafetensorError,
                    "tensor 'c' cannot be saved: safetensors has no dtype for torch.complex128"),
     "sparse": (lambda: {"ok": _x(), "s": torch.eye(3).to_sparse()}, None, ValueError,
