@@ -146,6 +146,22 @@ class Worker:
         except Exception as e:
             return {"error": f"{type(e).__name__}: {e}"}
 
+    def mismatched(self) -> dict:
+        """Rank world-1 holds a replicated tensor with another shape: every rank fails naming
+        the tensor and both ranks, and the old checkpoint stays."""
+        import fastsafetensors_rs as fst
+
+        out = self._fresh("mismatched")
+        tensors = replicated()
+        if self.rank == self.world - 1:
+            name = next(iter(tensors))
+            tensors[name] = tensors[name][:1].clone()
+        try:
+            fst.save(tensors, out, max_shard_size=4 * MB, process_group=self.group)
+            return {"error": None}
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}"}
+
     def killed(self) -> dict:
         """The last rank is killed after writing its bytes, before the group commits: every other
         rank fails (its connections close), and the directory keeps its earlier checkpoint."""
@@ -175,7 +191,8 @@ class Worker:
             return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - started}
 
 
-SCENARIOS = ["replicated", "one_file", "distinct", "one_file_distinct", "compat", "compat_refused", "refused"]
+SCENARIOS = ["replicated", "one_file", "distinct", "one_file_distinct", "compat", "compat_refused", "refused",
+             "mismatched"]
 
 
 def worker_main(mode: str, d: str, rank: int, world: int, init_file: str) -> int:
@@ -359,6 +376,23 @@ def test_a_tensor_refused_on_one_rank_fails_every_rank_and_keeps_the_old_checkpo
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
     U.assert_same_dict(fst.load(out), old())
     assert [n for n in os.listdir(d) if n.startswith(".")] == []
+
+
+def test_a_replicated_tensor_of_another_shape_on_one_rank_fails_every_rank(runs):
+    d, world, results = runs
+    name, t = next(iter(replicated().items()))
+    out = d / f"mismatched.w{world}"
+    for r in results:
+        error = r["mismatched"]["error"]
+        if world == 1:
+            assert error is None, error
+            continue
+        assert error is not None and "\n" not in error, error
+        shape, other = list(t.shape), [1, *t.shape[1:]]
+        assert (f"tensor '{name}' cannot be saved: rank 0 holds it as {t.dtype} {shape} and rank {world - 1} as "
+                f"{t.dtype} {other}") in error, error
+        assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+        U.assert_same_dict(fst.load(out), old())
 
 
 @pytest.mark.parametrize("world", [3])
