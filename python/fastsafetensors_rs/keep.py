@@ -68,9 +68,12 @@ def entries() -> List[Dict[str, Any]]:
 
 
 def drop(path: str) -> int:
-    """Ends the entries of the files at or under `path` (a file or a checkpoint directory):
-    how many. Processes attached to them keep their tensors; the next load reads again."""
-    reply = _command("drop", os.path.realpath(path))
+    """Ends the entries of the files at or under `path` (a file or a checkpoint directory, or
+    an object URL or a URL prefix, as loaded): how many. Processes attached to them keep their
+    tensors; the next load reads again."""
+    from .api import is_url  # (api imports this module)
+
+    reply = _command("drop", path if is_url(path) else os.path.realpath(path))
     return 0 if reply is None else reply["count"]
 
 

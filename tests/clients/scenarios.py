@@ -233,7 +233,7 @@ def plugin_tp(args) -> None:
     evicted from the page cache first; prints the bytes this rank read from storage. With
     `--verify DIGESTS` (a JSON file of the files' digests) the load is verified, the reads still
     shared, and the bytes this rank hashed are printed too; a wrong digest is printed as the
-    error every rank raised."""
+    error every rank raised, with the names the load yielded before it."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.model_loader import get_model_loader
@@ -252,8 +252,12 @@ def plugin_tp(args) -> None:
         initialize_model_parallel(args.world, 1)
         loader = get_model_loader(config.load_config)
 
+        seen: list = []  # the names the last load yielded, in order
+
         def load():
-            return harness.collect(loader.get_all_weights(config.model_config, torch.nn.Module()))
+            seen.clear()
+            pairs = loader.get_all_weights(config.model_config, torch.nn.Module())
+            return harness.collect((seen.append(name) or (name, t) for name, t in pairs))
 
         try:
             load()  # once unmeasured, so that the code this loads from disk is not counted below
@@ -265,6 +269,7 @@ def plugin_tp(args) -> None:
             got = load()
         except RuntimeError as e:
             print(f"CHECKED error {' '.join(str(e).split())}")
+            print(f"CHECKED yielded {' '.join(seen)}")
             return
         read, hashed = harness.read_bytes() - before, verified_bytes() - hashed
     check(f"vllm-plugin-tp-rank{args.rank}-of-{args.world}", got, files)

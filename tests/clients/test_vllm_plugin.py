@@ -83,6 +83,17 @@ def test_get_all_weights_is_bit_exact(checkpoint):
     assert_bit_exact(got, reference(checkpoint_files(checkpoint)))
 
 
+def tensors_of(files) -> set:
+    """The names of the tensors `files` hold, from their headers."""
+    from safetensors import safe_open
+
+    names: set = set()
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            names |= set(h.keys())
+    return names
+
+
 def test_verify_in_the_extra_config_checks_every_file(checkpoint, tmp_path):
     """`{"verify": {"digests": ...}}` through vLLM's own loader: the right digests give the
     same weights; a wrong one fails naming the file."""
@@ -98,6 +109,16 @@ def test_verify_in_the_extra_config_checks_every_file(checkpoint, tmp_path):
     loader = loader_for(FORMAT, {"verify": {"digests": wrong}})
     with pytest.raises(Exception, match=f"{re.escape(files[-1].name)}: digest mismatch"):
         collect(loader.get_all_weights(config.model_config, torch.nn.Module()))
+    if len(files) == 1:
+        return  # the single-file BERT: no later file (the sharded Llama runs what follows)
+    # The first file wrong: the load fails before any tensor of a later file reaches the model.
+    wrong = {**digests, files[0].name: "sha256:" + "0" * 64}
+    loader = loader_for(FORMAT, {"verify": {"digests": wrong}})
+    seen = []
+    with pytest.raises(Exception, match=f"{re.escape(files[0].name)}: digest mismatch"):
+        for name, _ in loader.get_all_weights(config.model_config, torch.nn.Module()):
+            seen.append(name)
+    assert not set(seen) & tensors_of(files[1:]), seen
 
 
 def test_a_checkpoint_saved_by_save_loads_through_vllms_own_loader(llama, tmp_path):
@@ -287,6 +308,14 @@ def test_tensor_parallel_ranks_verify_and_still_read_the_checkpoint_once(tmp_pat
     lines = harness.run_ranks("vllm", llama, world=2, scenario="plugin-tp", args=("--verify", str(bad)))
     errors = [line for line in lines if line.startswith("CHECKED error")]
     assert len(errors) == 2 and all(f"{last}: digest mismatch" in e for e in errors), lines
+    # The first file wrong: both ranks fail before any tensor of a later file is yielded.
+    first = Path(files[0]).name
+    bad.write_text(json.dumps({**digests, first: "sha256:" + "0" * 64}))
+    lines = harness.run_ranks("vllm", llama, world=2, scenario="plugin-tp", args=("--verify", str(bad)))
+    errors = [line for line in lines if line.startswith("CHECKED error")]
+    assert len(errors) == 2 and all(f"{first}: digest mismatch" in e for e in errors), lines
+    yielded = [set(line.split()[2:]) for line in lines if line.startswith("CHECKED yielded")]
+    assert len(yielded) == 2 and not set().union(*yielded) & tensors_of(files[1:]), lines
 
 
 def test_options_from_model_loader_extra_config(llama):

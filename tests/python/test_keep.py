@@ -248,6 +248,31 @@ def test_keeper_killed_while_filling(keep_dir, tmp_path, monkeypatch, capfd):
     assert len(lines) == 1 and "the keeper went away" in lines[0] and "loading without keeping" in lines[0], err
 
 
+def test_objects_are_kept_by_their_version_and_only_with_one(keep_dir, tmp_path, capfd):
+    """docs/keep.md: an object is kept by its ETag; one whose server names no version (no ETag,
+    no version id: a Last-Modified date alone, or nothing) is not kept, and the load reads,
+    saying so in one line."""
+    from remote_servers import FileServer
+
+    tensors = {"w": U.random_tensor(torch.float32, (1024,), 6)}
+    U.write_checkpoint(tmp_path / "m.safetensors", tensors)
+    with FileServer(tmp_path) as server:
+        url = f"{server.url}/m.safetensors"
+        for _ in range(2):
+            U.assert_same_dict(fst.load_file(url, keep=True), tensors)
+        [entry] = keep.entries()
+        assert entry["attaches"] == 1 and entry["files"] == [url], entry
+    assert keep.drop(server.url) == 1 and keep.entries() == []  # by the URL's prefix
+    capfd.readouterr()
+    for etag, last_modified in ((False, True), (False, False)):
+        with FileServer(tmp_path, etag=etag, last_modified=last_modified) as server:
+            url = f"{server.url}/m.safetensors"
+            U.assert_same_dict(fst.load_file(url, keep=True), tensors)
+        lines = [line for line in capfd.readouterr().err.splitlines() if "keep:" in line]
+        assert len(lines) == 1 and "names no version of it" in lines[0], lines
+        assert keep.entries() == []
+
+
 def test_a_client_killed_while_attached_leaks_nothing(keep_dir, model):
     d, _ = model
     fst.load_file(d, keep=True)  # kept, and let go of at once
