@@ -269,6 +269,7 @@ fn build_store(
     let store: Arc<dyn ObjectStore> = match scheme {
         ObjectStoreScheme::AmazonS3 => {
             let mut b = AmazonS3Builder::from_env().with_url(url).with_retry(retry);
+            half_a_key(&b).map_err(|reason| Error::RemoteConfig { url: shown(url), reason })?;
             if let Some(profile) = profile {
                 b = with_profile(b, profile);
             }
@@ -348,6 +349,22 @@ fn basic_authorization(url: &Url) -> Option<http::HeaderValue> {
 
 /// `b` with the profile's values where the environment gave none. Credentials go as a pair:
 /// a key id from the environment is never matched with a secret from a file.
+/// The environment's key refused where it gives one half of it, as the AWS CLI refuses it:
+/// the other half is not looked for in the files (a key id and a secret from two places are no
+/// key, and the failure would be the store's "access denied" or "missing AccessKeyId").
+fn half_a_key(b: &AmazonS3Builder) -> std::result::Result<(), String> {
+    let set = |k| b.get_config_value(&k).is_some();
+    let (with, without) = match (set(AmazonS3ConfigKey::AccessKeyId), set(AmazonS3ConfigKey::SecretAccessKey)) {
+        (true, false) => ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"),
+        (false, true) => ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID"),
+        _ => return Ok(()),
+    };
+    Err(format!(
+        "{with} is set but {without} is not: set both, or neither to use the AWS CLI's files (one half of a key is \
+         never paired with the other half from elsewhere)"
+    ))
+}
+
 fn with_profile(mut b: AmazonS3Builder, profile: aws_files::Profile) -> AmazonS3Builder {
     let unset = |b: &AmazonS3Builder, k| b.get_config_value(&k).is_none();
     if unset(&b, AmazonS3ConfigKey::AccessKeyId) && unset(&b, AmazonS3ConfigKey::SecretAccessKey) {

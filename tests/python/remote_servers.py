@@ -160,6 +160,8 @@ class _FileHandler(BaseHTTPRequestHandler):
             if start >= size:
                 return self._reply(416, {**common, "Content-Range": f"bytes */{size}"})
             status = 206
+            if self.server.range_shift and start >= self.server.shift_from:
+                start, end = min(start + self.server.range_shift, size - 1), min(end + self.server.range_shift, size)
             common["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
         if self.server.encoding == "gzip" and start >= self.server.encoding_from:
             with open(path, "rb") as f:
@@ -253,6 +255,11 @@ class FileServer(_LoopbackServer):
         # body it sends (then closes the connection).
         self.whole_body = False
         self.length_error = 0
+        # `range_shift` = n: a request for a range starting at or after `shift_from` is answered
+        # with the bytes n further on, its Content-Range saying so truthfully (a cache keyed
+        # wrongly, a proxy that miscounts).
+        self.range_shift = 0
+        self.shift_from = 0
         # A server (or a cache in front of it) that ignores If-Match and If-Unmodified-Since:
         # whatever version a request asks for, it answers with the file as it is now.
         self.ignore_conditions = False

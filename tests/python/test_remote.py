@@ -504,6 +504,26 @@ def test_the_aws_cli_files_give_credentials_region_and_endpoint(s3_env, local_mo
     U.assert_same_dict(fst.load(f"s3://{BUCKET}/flat/"), reference_dir(local_models / "flat"))
 
 
+@pytest.mark.parametrize("in_env", ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"])
+def test_half_a_key_in_the_environment_is_never_paired_with_the_files_other_half(s3_env, tmp_path, monkeypatch,
+                                                                                  in_env):
+    """The AWS CLI refuses a key id without its secret in the environment (and the reverse)
+    rather than take the missing half from its files: a key id from one place and a secret
+    from another are no key. Here the files' key is the good one, and so is the half in the
+    environment: pairing them would load; the load must fail naming the missing half."""
+    _aws_files(tmp_path, monkeypatch,
+               f"[default]\naws_access_key_id = {s3_env.key_id}\naws_secret_access_key = {s3_env.secret}\n",
+               f"[default]\nregion = garage\nendpoint_url = {s3_env.endpoint}\n")
+    monkeypatch.setenv(in_env, s3_env.key_id if in_env == "AWS_ACCESS_KEY_ID" else s3_env.secret)
+    missing = {"AWS_ACCESS_KEY_ID": "AWS_SECRET_ACCESS_KEY", "AWS_SECRET_ACCESS_KEY": "AWS_ACCESS_KEY_ID"}[in_env]
+    url = f"s3://{BUCKET}/single/all.safetensors"
+    with pytest.raises(RuntimeError) as raised:
+        fst.load_file(url)
+    message = str(raised.value)
+    assert message.startswith(f"{url}: {in_env} is set but {missing} is not: set both"), message
+    assert "\n" not in message and s3_env.secret not in message, message
+
+
 def test_unusable_aws_profiles_are_named_without_their_secrets(s3_env, tmp_path, monkeypatch):
     secret = "do-not-print-" + "9" * 40
     aws = tmp_path / ".aws"

@@ -151,6 +151,19 @@ def test_a_whole_body_on_a_later_part_is_refused_in_one_line(served):
         _fails_in_one_line(f"{server.url}/model.safetensors", "200", "Range")
 
 
+@pytest.mark.parametrize("shift_from", [0, 1], ids=["first-get", "later-part"])
+def test_an_answer_for_other_bytes_than_asked_is_refused_in_one_line(served, shift_from):
+    """The server answers 206 for bytes 4 KiB further on than the range asked for, and says
+    so in its Content-Range: on the first GET, or only on the parts after it. Those bytes are
+    never put where the asked-for ones belong."""
+    root, _ = served
+    with FileServer(root) as server:
+        server.range_shift, server.shift_from = 4096, shift_from
+        _fails_in_one_line(f"{server.url}/model.safetensors", "other bytes than the range asked for")
+        if shift_from:
+            assert any(r[2] and not r[2].startswith("bytes=0-") for r in server.requests), server.requests
+
+
 @pytest.mark.parametrize("error", [-1, -1000, +1, +1000])
 def test_a_content_length_that_lies_fails_in_one_line(served, error):
     """Less than the range: the body ends early, cleanly, which no retry mends. More: the

@@ -1306,14 +1306,20 @@ shim.fst_fail.argtypes = [ctypes.c_long, ctypes.c_int]
 shim.fst_calls.restype = ctypes.c_long
 versions = {name: version(name) for name in LIMITS}
 
-def child(name, directory, at, count_file, fail_errno="0"):
+def child(name, directory, at, count_file, fail_errno="0", how="exchange"):
     error = None
+    # how: the directory's commit (FASTSAFETENSORS_SAVE_COMMIT), or "file": save_file to the path.
+    if how != "file":
+        os.environ["FASTSAFETENSORS_SAVE_COMMIT"] = how
     if int(fail_errno):
         shim.fst_fail(int(at), int(fail_errno))
     else:
         shim.fst_arm(int(at))
     try:
-        F.save(versions[name], directory, max_shard_size=LIMITS[name])
+        if how == "file":
+            F.save_file(versions[name], directory)
+        else:
+            F.save(versions[name], directory, max_shard_size=LIMITS[name])
     except Exception as e:
         error = e
     calls = shim.fst_calls()
@@ -1399,11 +1405,12 @@ class Crasher(Saver):
         super().__init__(_CRASHER, {"LD_PRELOAD": str(shim)})
         self.count_file = tmp / "calls"
 
-    def save(self, version: str, d: Path, at: int, fail_errno: int = 0) -> int | str | None:
+    def save(self, version: str, d: Path, at: int, fail_errno: int = 0, how: str = "exchange") -> int | str | None:
         """The number of calls of a save that completed, None where it was killed, or its error
-        (`fail_errno`: the at-th call fails with it instead of killing)."""
+        (`fail_errno`: the at-th call fails with it instead of killing). `how`: the commit, or
+        "file" for `save_file(version, d)`."""
         self.count_file.unlink(missing_ok=True)
-        self.send(f"save {version} {d} {at} {self.count_file} {fail_errno}")
+        self.send(f"save {version} {d} {at} {self.count_file} {fail_errno} {how}")
         status = self.wait(int(self.expect("pid").split()[1]))
         if os.WIFSIGNALED(status):
             assert os.WTERMSIG(status) == signal.SIGKILL and at > 0, f"status {status:#x}"
@@ -1498,6 +1505,66 @@ def test_a_save_killed_at_any_point_leaves_the_old_checkpoint_or_the_new_one(tmp
     # Kills before the commit and (but for a new directory, where one fsync follows it) after.
     new_directory = CRASH_SCENARIOS[scenario][0] is None
     assert outcomes[(False, True)] >= 3 and (new_directory or outcomes[(True, True)] >= 1), outcomes
+
+
+@pytest.mark.parametrize("how", ["file", "in-place"])
+def test_save_file_and_in_place_commits_killed_at_any_point_leave_each_file_whole(tmp_path, crash_shim, how):
+    """kill -9 before the N-th call that changes a file, at 20 random N, of `save_file` over a
+    file of the same name, and of a 5-shard save committed in place over one of the same
+    layout: every file under its name is, byte for byte, the old version's file or the new
+    one's (in place, shards of the two may sit side by side: docs/save.md says so), the
+    directory holds nothing else but hidden temporaries of the killed process, and the next
+    save, not interrupted, removes them."""
+    parent = tmp_path / "models"
+    parent.mkdir()
+    d = parent / ("model.safetensors" if how == "file" else "ckpt")
+    crasher = Crasher(crash_shim, tmp_path)
+    try:
+        # Each version's files, saved whole once: what a file under its name may be.
+        files: dict = {}
+        for v in ("a5", "b5"):
+            ref = tmp_path / f"reference-{v}"
+            ref.mkdir()
+            target = ref / d.name if how == "file" else ref / "ckpt"
+            assert crasher.save(v, target, 0, how=how)
+            files[v] = ({d.name: target.read_bytes()} if how == "file"
+                        else {p.name: p.read_bytes() for p in target.iterdir()})
+        # (In place, the index is the same file in both: the same layout.)
+        assert files["a5"].keys() == files["b5"].keys()
+        assert all(files["a5"][n] != files["b5"][n] for n in files["a5"] if n.endswith(".safetensors"))
+        where = parent if how == "file" else d
+        counts = {}
+        counts["a5"] = crasher.save("a5", d, 0, how=how)
+        counts["b5"] = crasher.save("b5", d, 0, how=how)
+        rng = random.Random(f"{how}-20")
+        current, seen = "b5", collections.Counter()
+        for trial in range(20):
+            target = "a5" if current == "b5" else "b5"
+            # The save first removes what the last killed one left: one more call per temporary.
+            count = counts[target] + sum(1 for n in os.listdir(where) if TEMP.match(n))
+            at = rng.randint(1, count)
+            done = crasher.save(target, d, at, how=how)
+            how_ = f"trial {trial} ({current} -> {target}, killed at call {at} of {count})"
+            finals = sorted(n for n in os.listdir(where) if not TEMP.match(n))
+            assert finals == sorted(files[target]), f"{how_}: {finals}"
+            got = {n: [v for v in ("a5", "b5") if (where / n).read_bytes() == files[v][n]] for n in finals}
+            assert all(got.values()), f"{how_}: files of neither version: {[n for n, v in got.items() if not v]}"
+            temps = [TEMP.match(n) for n in os.listdir(where) if TEMP.match(n)]
+            assert all(t["final"] in files[target] for t in temps), f"{how_}: {os.listdir(where)}"
+            assert done is None or all(target in v for v in got.values()), f"{how_}: the save returned, yet {got}"
+            states = {v[0] for v in got.values() if len(v) == 1}
+            seen[(tuple(sorted(states)), done is None)] += 1
+            current = states.pop() if len(states) == 1 else current
+        # A last save, not interrupted: it completes, and what the killed ones left is gone.
+        assert crasher.save("a5", d, 0, how=how)
+        assert sorted(os.listdir(where)) == sorted(files["a5"]), os.listdir(where)
+        assert all((where / n).read_bytes() == b for n, b in files["a5"].items())
+    finally:
+        crasher.close()
+    print(f"{how}: {counts} calls; (versions seen, killed): {dict(seen)}")
+    # Kills landed before the commit (the old version whole) and after it (the new one).
+    assert sum(n for (states, killed), n in seen.items() if killed and len(states) == 1) >= 10, seen
+    assert len({states for states, killed in seen if killed}) >= 2, seen
 
 
 @pytest.mark.parametrize("scenario", ["same-layout", "over-model.safetensors"])
