@@ -27,7 +27,7 @@ use crate::error::{Error, Result};
 use crate::plan::save::{INDEX_FILE, SINGLE_FILE};
 use crate::settings::setting;
 use crate::sink::{abandoned, abandoned_entries, lock, parent, parse_temp_name, publish, refuse_directory};
-use crate::sink::{remove_abandoned, sync_dir};
+use crate::sink::{remove_abandoned, rename_into_place, sync_dir, sync_in_place};
 use crate::sink::{remove_stale_temps, temp_name, FileSink, Sink};
 
 /// The variable that picks how a checkpoint directory is committed.
@@ -215,12 +215,18 @@ impl CheckpointDir {
             .chain(&index)
             .map(|s| s.path().file_name().unwrap_or_default().to_string_lossy().into_owned())
             .collect();
+        let Some(mut stage) = self.stage.take() else {
+            // In place: the shards, then the index, then the stale files of the old checkpoint
+            // removed, all made durable by one sync (which, failing, still leaves no stale file).
+            let mut written = publish(files)?;
+            let (index, _) = rename_into_place(index.into_iter().collect())?;
+            written.extend(index);
+            let removed = remove_stale(&self.real, &self.shown, &names);
+            sync_in_place(&self.real)?;
+            return removed.map(|()| written);
+        };
         let mut written = publish(files)?;
         written.extend(publish(index.into_iter().collect())?);
-        let Some(mut stage) = self.stage.take() else {
-            remove_stale(&self.real, &self.shown, &names)?;
-            return Ok(written);
-        };
         match self.swap(&mut stage, self.how) {
             Ok(true) => Ok(written),
             Ok(false) => {
@@ -229,9 +235,9 @@ impl CheckpointDir {
                     std::fs::rename(stage.path.join(name), self.real.join(name))
                         .map_err(|e| Error::io(self.path_of(name), "rename", e))?;
                 }
-                sync_dir(&self.real)?;
-                remove_stale(&self.real, &self.shown, &names)?;
-                Ok(written)
+                let removed = remove_stale(&self.real, &self.shown, &names);
+                sync_in_place(&self.real)?;
+                removed.map(|()| written)
             }
             Err(e) => Err(e),
         }
@@ -254,7 +260,7 @@ impl CheckpointDir {
             match std::fs::rename(&stage.path, &self.real) {
                 Ok(()) => {
                     stage.committed = true;
-                    sync_dir(&up)?;
+                    sync_in_place(&up)?;
                     return Ok(true);
                 }
                 Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTEMPTY | libc::EEXIST)) => {
@@ -301,12 +307,13 @@ impl CheckpointDir {
             }
             Err(e) => return Err(io("rename (exchange)")(e)),
         }
-        sync_dir(&up)?;
+        let synced = sync_in_place(&up);
         // The old directory is now at stage.path: what appeared in it after the carrying goes
-        // to the new one, then the rest (the old checkpoint, links of the carried files) goes.
+        // to the new one, then the rest (the old checkpoint, links of the carried files) goes,
+        // the sync failing or not (the new checkpoint is in place either way).
         move_newcomers(&stage.path, &self.real, true);
         let _ = std::fs::remove_dir_all(&stage.path);
-        Ok(true)
+        synced.map(|()| true)
     }
 }
 

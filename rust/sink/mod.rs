@@ -195,7 +195,21 @@ pub fn refuse_directory(path: &Path) -> Result<()> {
 /// Renames finished sinks to their names, then syncs their directories: from here on the
 /// files survive a crash. Returns the paths, in order.
 pub fn publish(sinks: Vec<FileSink>) -> Result<Vec<PathBuf>> {
-    let mut dirs: Vec<PathBuf> = Vec::new();
+    let (paths, dirs) = rename_into_place(sinks)?;
+    for (dir, renamed) in dirs {
+        match renamed {
+            true => sync_in_place(&dir)?,
+            false => sync_dir(&dir)?,
+        }
+    }
+    Ok(paths)
+}
+
+/// Renames finished sinks to their names (a staged sink is already at its name in the
+/// staging directory). Returns the paths, in order, and the directories to sync, each with
+/// whether a file was renamed into it.
+pub(crate) fn rename_into_place(sinks: Vec<FileSink>) -> Result<(Vec<PathBuf>, Vec<(PathBuf, bool)>)> {
+    let mut dirs: Vec<(PathBuf, bool)> = Vec::new();
     let mut paths = Vec::with_capacity(sinks.len());
     for mut sink in sinks {
         let at = match &sink.target {
@@ -207,15 +221,22 @@ pub fn publish(sinks: Vec<FileSink>) -> Result<Vec<PathBuf>> {
         };
         sink.published = true;
         let dir = parent(&at);
-        if !dirs.contains(&dir) {
-            dirs.push(dir);
+        match dirs.iter_mut().find(|(d, _)| *d == dir) {
+            Some((_, renamed)) => *renamed |= sink.target.is_some(),
+            None => dirs.push((dir, sink.target.is_some())),
         }
         paths.push(sink.path.clone());
     }
-    for dir in dirs {
-        sync_dir(&dir)?;
-    }
-    Ok(paths)
+    Ok((paths, dirs))
+}
+
+/// Syncs `dir` after files (or a checkpoint directory) were renamed into it: a failure now
+/// says that they are in place, only not known to be durable, so that nobody takes the
+/// failed save for one that left the old files.
+pub(crate) fn sync_in_place(dir: &Path) -> Result<()> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| Error::io(dir, "fsync (what was renamed into it is in place but not known to be durable)", e))
 }
 
 pub(crate) fn parent(path: &Path) -> PathBuf {
