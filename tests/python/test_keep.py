@@ -205,6 +205,61 @@ def test_two_processes_at_once_read_once(keep_dir, model):
     assert entry["attaches"] == 1, entry
 
 
+def _socket_inodes(pid: int) -> set:
+    """The inodes of the sockets process `pid` has open."""
+    found = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            continue
+        if target.startswith("socket:["):
+            found.add(int(target[len("socket:["):-1]))
+    return found
+
+
+def _network_socket_inodes(pid: int) -> set:
+    """The inodes of every TCP, UDP and raw socket in process `pid`'s network namespace."""
+    found = set()
+    for table in ("tcp", "tcp6", "udp", "udp6", "raw", "raw6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        found.update(int(line.split()[9]) for line in lines)
+    return found
+
+
+def test_the_keeper_has_a_session_of_its_own_a_log_and_no_network_socket(keep_dir, model):
+    """Started by a server's load, the keeper runs in a session of its own: a Ctrl-C of the
+    server (SIGINT to its process group) ends the server, not the keeper, and the next load
+    attaches. It writes its messages to keeper.log in its directory, and holds Unix sockets
+    only: none of its sockets is a TCP, UDP or raw one."""
+    d, expected = model
+    server = subprocess.Popen([sys.executable, "-c", textwrap.dedent(LOADER), _files(d), "hold"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=U.subprocess_env(),
+                              start_new_session=True)
+    try:
+        assert json.loads(server.stdout.readline())["read_paths"] != ["kept", "kept"]
+        pid = keep.status()["pid"]
+        assert os.getsid(pid) == pid and os.getpgid(pid) == pid, (os.getsid(pid), os.getpgid(pid))
+        assert os.getsid(server.pid) == server.pid != pid
+        log = keep_dir / "keeper.log"
+        assert log.is_file() and log.stat().st_uid == os.getuid(), log
+        sockets = _socket_inodes(pid)
+        unix = {int(line.split()[6]) for line in Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]}
+        assert sockets and sockets <= unix, (sockets, unix)
+        assert not sockets & _network_socket_inodes(pid)
+        os.killpg(server.pid, signal.SIGINT)
+        assert server.wait(timeout=30) != 0
+    finally:
+        server.kill()
+        server.wait()
+    os.kill(pid, 0)  # still running
+    assert keep.status()["pid"] == pid
+    assert _load_report(d)[1] == ["kept", "kept"]
+
+
 def test_keeper_killed_while_clients_hold_entries(keep_dir, model):
     d, expected = model
     held = fst.load_file(d, keep=True)
