@@ -205,11 +205,13 @@ pub fn publish(sinks: Vec<FileSink>) -> Result<Vec<PathBuf>> {
     Ok(paths)
 }
 
+/// Directories to sync after [`rename_into_place`], each with whether a file was renamed into it.
+type DirsToSync = Vec<(PathBuf, bool)>;
+
 /// Renames finished sinks to their names (a staged sink is already at its name in the
-/// staging directory). Returns the paths, in order, and the directories to sync, each with
-/// whether a file was renamed into it.
-pub(crate) fn rename_into_place(sinks: Vec<FileSink>) -> Result<(Vec<PathBuf>, Vec<(PathBuf, bool)>)> {
-    let mut dirs: Vec<(PathBuf, bool)> = Vec::new();
+/// staging directory). Returns the paths, in order, and the directories to sync.
+pub(crate) fn rename_into_place(sinks: Vec<FileSink>) -> Result<(Vec<PathBuf>, DirsToSync)> {
+    let mut dirs = DirsToSync::new();
     let mut paths = Vec::with_capacity(sinks.len());
     for mut sink in sinks {
         let at = match &sink.target {
