@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import math
@@ -249,8 +250,9 @@ class SharedLoad:
                 if done is not None:
                     yield done
             mine = mem[offset + rank * piece:offset + (rank + 1) * piece]
-            work = self._dist.all_gather_into_tensor(mem[offset:offset + world * piece], mine, group=self._group,
-                                                     async_op=True)
+            with self._exchanging(b):
+                work = self._dist.all_gather_into_tensor(mem[offset:offset + world * piece], mine,
+                                                         group=self._group, async_op=True)
             pending = (work, b, last, (offset, piece))
         if pending is not None:
             done = self._finish(pending, failure, memory, specs)
@@ -265,12 +267,17 @@ class SharedLoad:
         """Waits for an exchange; after a buffer's last one, checks that every rank read its
         pieces and makes the buffer's tensors."""
         work, b, last, chunk = pending
-        work.wait()
+        with self._exchanging(b):
+            work.wait()
         if self._verifying:
             self._check_chunk(b, chunk, memory[b], last)
         if not last:
             return None
-        self._check_reads(failure)
+        with self._exchanging(b):
+            reads_failed = self._reads_failed(failure)
+        if reads_failed:
+            self.close()
+            raise RuntimeError(reads_failed)
         mem = memory.pop(b)
         if self._verifying and self._streamed and self._last_of_file[self.plan["buffers"][b]["file"]] == b:
             self._check_verified()  # before any tensor of a later file
@@ -325,18 +332,31 @@ class SharedLoad:
                 raise RuntimeError(f"{failed} (checked by rank {r} of the {self.world} ranks loading together; "
                                    f"{outcome})")
 
-    def _check_reads(self, failure: Optional[str]) -> None:
+    def _reads_failed(self, failure: Optional[str]) -> Optional[str]:
+        """Whether every rank read its pieces of the buffer: None, or the first failure, named
+        with its rank."""
         ok = torch.tensor([failure is None], dtype=torch.int32, device=self._device)
         everyone = torch.empty(self.world, dtype=torch.int32, device=self._device)
         self._dist.all_gather_into_tensor(everyone, ok, group=self._group)
         if bool(everyone.all()):
-            return
+            return None
         messages: List[Optional[str]] = [None] * self.world
         self._dist.all_gather_object(messages, failure, group=self._group)
         r = next(r for r, m in enumerate(messages) if m)
-        self.close()
-        raise RuntimeError(f"{messages[r]} (read by rank {r} of the {self.world} ranks loading together; "
-                           "nothing was loaded)")
+        return f"{messages[r]} (read by rank {r} of the {self.world} ranks loading together; nothing was loaded)"
+
+    @contextlib.contextmanager
+    def _exchanging(self, b: int) -> Iterator[None]:
+        """A collective of buffer `b`'s exchange: the process group's own error (a rank that
+        died, one that stopped for longer than the group's timeout) raised naming the file."""
+        try:
+            yield
+        except RuntimeError as e:
+            self.close()
+            path = redact(self.plan["files"][self.plan["buffers"][b]["file"]])
+            reason = " ".join(str(e).split())
+            raise RuntimeError(f"{path}: the exchange with the other ranks of the process group failed (a rank "
+                               f"died, or stopped for longer than the group's timeout): {reason}") from e
 
     def close(self) -> None:
         if self._hasher is not None:

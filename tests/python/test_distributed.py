@@ -304,6 +304,28 @@ class Worker:
             os.chdir(cwd)
             victim.write_bytes(saved)
 
+    def rank_stops(self) -> dict:
+        """Every rank streams the checkpoint; the last one, after its first tensor, dies
+        ($FST_STOP=die: the process exits) or stalls for one and a half group timeouts
+        ($FST_STOP=stall), then exits. The others' stream raises: how long it took, and what."""
+        import time
+
+        import fastsafetensors_rs as fst
+
+        timeout = float(os.environ["FST_GROUP_TIMEOUT"])
+        got, start = [], time.monotonic()
+        try:
+            for name, _ in fst.stream(self.files, process_group=self.group, reader="direct"):
+                got.append(name)
+                if self.rank == self.world - 1:
+                    torch.save({"rank_stops": {"stopped_after": got}}, self.d / f"rank_stops.w{self.world}.rank{self.rank}.pt")
+                    if os.environ["FST_STOP"] == "stall":
+                        time.sleep(1.5 * timeout)
+                    os._exit(0)
+            return {"raised": None, "got": got, "seconds": time.monotonic() - start}
+        except Exception as e:
+            return {"raised": f"{type(e).__name__}: {e}", "got": got, "seconds": time.monotonic() - start}
+
     def read_failure(self) -> dict:
         """The last rank's copy is cut short after the stream planned its reads."""
         import fastsafetensors_rs as fst
@@ -411,19 +433,23 @@ SCENARIOS = ["bulk", "verified", "verified_stream", "verified_shards", "filtered
 def worker_main(mode: str, d: str, rank: int, world: int, init_file: str) -> int:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    import datetime
+
+    timeout = datetime.timedelta(seconds=float(os.environ.get("FST_GROUP_TIMEOUT", 1800)))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timeout)
     w = Worker(Path(d), rank, world)
     results: dict = {}
     status = 0
     try:
         for name in SCENARIOS if mode == "all" else [mode]:
             results[name] = owned(getattr(w, name)())
-            dist.barrier()
+            if name != "rank_stops":  # (a rank is gone: no barrier can complete)
+                dist.barrier()
     except Exception:
         results["error"] = traceback.format_exc()
         status = 1
     torch.save(results, Path(d) / f"{mode}.w{world}.rank{rank}.pt")
-    if status == 0:
+    if status == 0 and mode != "rank_stops":
         dist.destroy_process_group()
     return status
 
@@ -655,6 +681,28 @@ def test_a_rank_that_cannot_plan_makes_every_rank_raise_naming_it(world):
         assert message is not None and "model.safetensors" in message
         if n > 1:
             assert f"on rank {n - 1} of the {n} ranks" in message, message
+
+
+@pytest.mark.parametrize("how", ["die", "stall"])
+def test_a_rank_that_dies_or_stalls_mid_stream_fails_the_others_within_the_group_timeout(ckpt, how):
+    """3 ranks stream the checkpoint with a 10 s group timeout; after its first tensor the last
+    rank exits, or stops iterating for 15 s. The other two raise, not hang: at once where the
+    rank died (its connections close), within the timeout where it stalls; in one line naming
+    the file whose exchange failed and why, with the process group's own error."""
+    timeout = 10
+    ranks = run_ranks(ckpt, "rank_stops", 3, lambda r: {"FST_GROUP_TIMEOUT": str(timeout), "FST_STOP": how})
+    assert len(ranks[2]["rank_stops"]["stopped_after"]) == 1
+    for r in ranks[:2]:
+        result = r["rank_stops"]
+        raised = result["raised"]
+        assert raised is not None and raised.startswith("RuntimeError: ") and "\n" not in raised, result
+        assert any(f"{f}: the exchange with the other ranks of the process group failed" in raised
+                   for f in FILES), raised
+        limit = timeout + 15
+        assert result["seconds"] < limit, f"rank waited {result['seconds']:.1f} s: {result['raised']}"
+        if how == "stall":
+            assert result["seconds"] > timeout * 0.8, result
+        print(f"{how}: raised after {result['seconds']:.1f} s: {result['raised'][:300]}")
 
 
 def test_a_rank_whose_read_fails_makes_every_rank_raise_with_nothing_handed_out(world):
