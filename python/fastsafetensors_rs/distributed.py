@@ -347,16 +347,13 @@ class SharedLoad:
 
     @contextlib.contextmanager
     def _exchanging(self, b: int) -> Iterator[None]:
-        """A collective of buffer `b`'s exchange: the process group's own error (a rank that
-        died, one that stopped for longer than the group's timeout) raised naming the file."""
+        """A collective of buffer `b`'s exchange (see `_exchange_of`)."""
         try:
-            yield
-        except RuntimeError as e:
+            with _exchange_of(self.plan["files"][self.plan["buffers"][b]["file"]]):
+                yield
+        except RuntimeError:
             self.close()
-            path = redact(self.plan["files"][self.plan["buffers"][b]["file"]])
-            reason = " ".join(str(e).split())
-            raise RuntimeError(f"{path}: the exchange with the other ranks of the process group failed (a rank "
-                               f"died, or stopped for longer than the group's timeout): {reason}") from e
+            raise
 
     def close(self) -> None:
         if self._hasher is not None:
@@ -402,6 +399,19 @@ class SharedTensors:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def _exchange_of(path: str) -> Iterator[None]:
+    """A collective exchanging bytes of file `path`: the process group's own error (a rank that
+    died, one that stopped for longer than the group's timeout) raised in one line naming the
+    file, rather than bare."""
+    try:
+        yield
+    except RuntimeError as e:
+        reason = " ".join(str(e).split())
+        raise RuntimeError(f"{redact(path)}: the exchange with the other ranks of the process group failed (a rank "
+                           f"died, or stopped for longer than the group's timeout): {reason}") from e
 
 
 # ---------------------------------------------------------------- shards
@@ -461,8 +471,9 @@ def sharded_load(paths: Sequence[str], device: str, dtype: Optional[torch.dtype]
         for name in columns:
             stored = dtypes[name]
             loaded = _cast(torch.empty(0, dtype=DTYPES[stored][0]), dtype).dtype
-            out[name] = _scatter(local.pop(name, None), dims[name], torch_shape(stored, shapes[name]), loaded,
-                                 device, owners[name], group, world, rank)
+            with _exchange_of(files[file_of[name]]):
+                out[name] = _scatter(local.pop(name, None), dims[name], torch_shape(stored, shapes[name]), loaded,
+                                     device, owners[name], group, world, rank)
         return {n: out[n] for n in selected}
     finally:
         ops.close_handle(handle)
