@@ -112,12 +112,15 @@ fn version(src: &dyn Source) -> Result<String> {
     match src.identity() {
         // A date alone (what a plain HTTP server may give) tells versions apart only to the
         // second: an object replaced within one at the same size would attach stale bytes.
-        Identity::Object { e_tag: None, version: None, .. } => Err(Error::Keep(format!(
-            "{}: the store names no version of it (no ETag or version id; a date alone does not tell versions \
-             of one second apart): it is not kept",
-            crate::error::shown(&src.path().to_string_lossy())
-        ))),
-        Identity::Object { .. } => Ok(src.identity().version_fingerprint().expect("an object with a version")),
+        Identity::Object { e_tag, version, .. } => {
+            e_tag.as_ref().or(version.as_ref()).and_then(|_| src.identity().version_fingerprint()).ok_or_else(|| {
+                Error::Keep(format!(
+                    "{}: the store names no version of it (no ETag or version id; a date alone does not tell \
+                     versions of one second apart): it is not kept",
+                    crate::error::shown(&src.path().to_string_lossy())
+                ))
+            })
+        }
         Identity::File { .. } => {
             Err(Error::Keep(format!("{}: not a file this process can name", src.path().display())))
         }

@@ -195,8 +195,10 @@ pub fn refuse_directory(path: &Path) -> Result<()> {
 /// Renames finished sinks to their names, then syncs their directories: from here on the
 /// files survive a crash. Returns the paths, in order.
 pub fn publish(sinks: Vec<FileSink>) -> Result<Vec<PathBuf>> {
+    // Sinks are all staged (already at their names in a staging directory) or all renamed.
+    let renamed = sinks.iter().any(|s| s.target.is_some());
     let (paths, dirs) = rename_into_place(sinks)?;
-    for (dir, renamed) in dirs {
+    for dir in dirs {
         match renamed {
             true => sync_in_place(&dir)?,
             false => sync_dir(&dir)?,
@@ -205,13 +207,10 @@ pub fn publish(sinks: Vec<FileSink>) -> Result<Vec<PathBuf>> {
     Ok(paths)
 }
 
-/// Directories to sync after [`rename_into_place`], each with whether a file was renamed into it.
-type DirsToSync = Vec<(PathBuf, bool)>;
-
 /// Renames finished sinks to their names (a staged sink is already at its name in the
 /// staging directory). Returns the paths, in order, and the directories to sync.
-pub(crate) fn rename_into_place(sinks: Vec<FileSink>) -> Result<(Vec<PathBuf>, DirsToSync)> {
-    let mut dirs = DirsToSync::new();
+pub(crate) fn rename_into_place(sinks: Vec<FileSink>) -> Result<(Vec<PathBuf>, Vec<PathBuf>)> {
+    let mut dirs: Vec<PathBuf> = Vec::new();
     let mut paths = Vec::with_capacity(sinks.len());
     for mut sink in sinks {
         let at = match &sink.target {
@@ -223,9 +222,8 @@ pub(crate) fn rename_into_place(sinks: Vec<FileSink>) -> Result<(Vec<PathBuf>, D
         };
         sink.published = true;
         let dir = parent(&at);
-        match dirs.iter_mut().find(|(d, _)| *d == dir) {
-            Some((_, renamed)) => *renamed |= sink.target.is_some(),
-            None => dirs.push((dir, sink.target.is_some())),
+        if !dirs.contains(&dir) {
+            dirs.push(dir);
         }
         paths.push(sink.path.clone());
     }

@@ -347,8 +347,6 @@ fn basic_authorization(url: &Url) -> Option<http::HeaderValue> {
     Some(value)
 }
 
-/// `b` with the profile's values where the environment gave none. Credentials go as a pair:
-/// a key id from the environment is never matched with a secret from a file.
 /// The environment's key refused where it gives one half of it, as the AWS CLI refuses it:
 /// the other half is not looked for in the files (a key id and a secret from two places are no
 /// key, and the failure would be the store's "access denied" or "missing AccessKeyId").
@@ -365,6 +363,8 @@ fn half_a_key(b: &AmazonS3Builder) -> std::result::Result<(), String> {
     ))
 }
 
+/// `b` with the profile's values where the environment gave none. Credentials go as a pair:
+/// a key id from the environment is never matched with a secret from a file.
 fn with_profile(mut b: AmazonS3Builder, profile: aws_files::Profile) -> AmazonS3Builder {
     let unset = |b: &AmazonS3Builder, k| b.get_config_value(&k).is_none();
     if unset(&b, AmazonS3ConfigKey::AccessKeyId) && unset(&b, AmazonS3ConfigKey::SecretAccessKey) {

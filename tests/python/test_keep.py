@@ -139,16 +139,19 @@ def test_attach_is_bit_exact_and_reads_nothing(keep_dir, model):
     assert entry["files"] == [str(p.resolve()) for p in sorted(d.glob("*.safetensors"))]
 
 
-def _keeper_memfds(pid: int) -> list:
-    out = []
+def _open_files(pid: int) -> dict:
+    """Process `pid`'s descriptors: /proc/PID/fd/N -> what it points to."""
+    out = {}
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
+            out[f"/proc/{pid}/fd/{fd}"] = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
             continue
-        if target.startswith("/memfd:fastsafetensors-keep"):
-            out.append(f"/proc/{pid}/fd/{fd}")
     return out
+
+
+def _keeper_memfds(pid: int) -> list:
+    return [fd for fd, target in _open_files(pid).items() if target.startswith("/memfd:fastsafetensors-keep")]
 
 
 def test_the_entry_cannot_be_written(keep_dir, model):
@@ -207,15 +210,7 @@ def test_two_processes_at_once_read_once(keep_dir, model):
 
 def _socket_inodes(pid: int) -> set:
     """The inodes of the sockets process `pid` has open."""
-    found = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except FileNotFoundError:
-            continue
-        if target.startswith("socket:["):
-            found.add(int(target[len("socket:["):-1]))
-    return found
+    return {int(t[len("socket:["):-1]) for t in _open_files(pid).values() if t.startswith("socket:[")}
 
 
 def _network_socket_inodes(pid: int) -> set:

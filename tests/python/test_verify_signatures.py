@@ -167,12 +167,28 @@ def _cert(subject, key, issuer, issuer_key, start, end, ca, ku, eku=None) -> x50
     return b.sign(issuer_key, hashes.SHA256())
 
 
+def _sign_under(model: Path, pki: Path, inter_key, now: datetime.datetime, leaf_ca: bool) -> Path:
+    """`model` signed with model_signing by a new code-signing certificate ("test signer",
+    a CA too where `leaf_ca`) that `pki/inter.pem` issued, that certificate in the chain: the
+    signature's path (`pki/../model.sig`)."""
+    leaf_key = ec.generate_private_key(ec.SECP256R1())
+    day = datetime.timedelta(days=1)
+    _pem(pki / "leaf.pem", _cert("test signer", leaf_key, "test intermediate", inter_key, now - day, now + 90 * day,
+                                 leaf_ca, ["digital_signature"], [ExtendedKeyUsageOID.CODE_SIGNING]))
+    _pem(pki / "leaf.key", leaf_key)
+    signature = pki.parent / "model.sig"
+    model_signing.signing.Config().use_certificate_signer(
+        private_key=pki / "leaf.key", signing_certificate=pki / "leaf.pem",
+        certificate_chain=[pki / "inter.pem"]).sign(model, signature)
+    return signature
+
+
 def test_certificate_chains_as_openssl_judges_them_a_ca_signing_certificate_and_the_roots_dates(model, tmp_path):
     day = datetime.timedelta(days=1)
     now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
     pki = tmp_path / "pki"
     pki.mkdir()
-    root_key, inter_key, leaf_key = (ec.generate_private_key(ec.SECP256R1()) for _ in range(3))
+    root_key, inter_key = (ec.generate_private_key(ec.SECP256R1()) for _ in range(2))
     roots = {  # the same key and name, valid at other times around the signing time (the leaf's notBefore)
         "root.pem": (now - 900 * day, now + 900 * day, True),
         "root-expired.pem": (now - 900 * day, now - 30 * day, False),
@@ -183,13 +199,7 @@ def test_certificate_chains_as_openssl_judges_them_a_ca_signing_certificate_and_
     _pem(pki / "inter.pem", _cert("test intermediate", inter_key, "test root", root_key, now - 800 * day,
                                   now + 800 * day, True, ["key_cert_sign"]))
     # A signing certificate that is a CA too (model_signing's own test PKI has one).
-    _pem(pki / "leaf.pem", _cert("test signer", leaf_key, "test intermediate", inter_key, now - day, now + 90 * day,
-                                 True, ["digital_signature"], [ExtendedKeyUsageOID.CODE_SIGNING]))
-    _pem(pki / "leaf.key", leaf_key)
-    signature = tmp_path / "model.sig"
-    model_signing.signing.Config().use_certificate_signer(
-        private_key=pki / "leaf.key", signing_certificate=pki / "leaf.pem",
-        certificate_chain=[pki / "inter.pem"]).sign(model, signature)
+    signature = _sign_under(model, pki, inter_key, now, leaf_ca=True)
     expected = load_file(str(model / WEIGHTS))
     for root, (_, _, ok) in roots.items():
         theirs = _ms_verifies("certificate", model, "--signature", signature, "--certificate_chain", pki / root)
@@ -212,7 +222,7 @@ def test_an_intermediates_extensions_as_openssl_acts_on_them(model, tmp_path, ex
     here: a chain with them is refused as unsupported, never accepted unchecked."""
     day = datetime.timedelta(days=1)
     now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
-    root_key, inter_key, leaf_key = (ec.generate_private_key(ec.SECP256R1()) for _ in range(3))
+    root_key, inter_key = (ec.generate_private_key(ec.SECP256R1()) for _ in range(2))
     private = x509.ObjectIdentifier("1.3.6.1.4.1.55555.7")
     inter = (x509.CertificateBuilder().subject_name(_name("test intermediate")).issuer_name(_name("test root"))
              .public_key(inter_key.public_key()).serial_number(x509.random_serial_number())
@@ -229,13 +239,7 @@ def test_an_intermediates_extensions_as_openssl_acts_on_them(model, tmp_path, ex
     _pem(pki / "root.pem", _cert("test root", root_key, "test root", root_key, now - 900 * day, now + 900 * day,
                                  True, ["key_cert_sign"]))
     _pem(pki / "inter.pem", inter.sign(root_key, hashes.SHA256()))
-    _pem(pki / "leaf.pem", _cert("test signer", leaf_key, "test intermediate", inter_key, now - day, now + 90 * day,
-                                 False, ["digital_signature"], [ExtendedKeyUsageOID.CODE_SIGNING]))
-    _pem(pki / "leaf.key", leaf_key)
-    signature = tmp_path / "model.sig"
-    model_signing.signing.Config().use_certificate_signer(
-        private_key=pki / "leaf.key", signing_certificate=pki / "leaf.pem",
-        certificate_chain=[pki / "inter.pem"]).sign(model, signature)
+    signature = _sign_under(model, pki, inter_key, now, leaf_ca=False)
     verify = Signature(signature, certificate_chain=pki / "root.pem")
     theirs = _ms_verifies("certificate", model, "--signature", signature, "--certificate_chain", pki / "root.pem")
     if extension == "unknown-not-critical":
