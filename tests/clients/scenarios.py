@@ -236,6 +236,7 @@ def plugin_tp(args) -> None:
     error every rank raised, with the names the load yielded before it."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.plugins import load_general_plugins
 
@@ -271,6 +272,11 @@ def plugin_tp(args) -> None:
             print(f"CHECKED error {' '.join(str(e).split())}")
             print(f"CHECKED yielded {' '.join(seen)}")
             return
+        finally:
+            # vLLM's groups ended before the interpreter: left to its exit, gloo's threads can
+            # abort it ("terminate called without an active exception") after a failed load.
+            destroy_model_parallel()
+            destroy_distributed_environment()
         read, hashed = harness.read_bytes() - before, verified_bytes() - hashed
     check(f"vllm-plugin-tp-rank{args.rank}-of-{args.world}", got, files)
     print(f"CHECKED read_bytes {read}")
