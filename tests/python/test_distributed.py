@@ -327,19 +327,26 @@ class Worker:
             return {"raised": f"{type(e).__name__}: {e}", "got": got, "seconds": time.monotonic() - start}
 
     def read_failure(self) -> dict:
-        """The last rank's copy is cut short after the stream planned its reads."""
+        """The last rank's copy is cut short after the load planned its reads: a stream (cut
+        between opening it and iterating), and a bulk load (cut as the ranks have agreed on
+        the plan, the last step before reading)."""
         import fastsafetensors_rs as fst
+        from fastsafetensors_rs import distributed
 
         mine = self.d / f"rank{self.rank}"
         victim = mine / "model.safetensors"
         saved = victim.read_bytes()
+
+        def cut() -> None:
+            if self.rank == self.world - 1:
+                with open(victim, "r+b") as f:
+                    f.truncate(len(saved) // 2)
+
         cwd = os.getcwd()
         os.chdir(mine)
         try:
             it = fst.stream("model.safetensors", process_group=self.group, reader="direct")
-            if self.rank == self.world - 1:
-                with open(victim, "r+b") as f:
-                    f.truncate(len(saved) // 2)
+            cut()
             self.dist.barrier()
             got = []
             try:
@@ -348,6 +355,22 @@ class Worker:
                 result = {"raised": None, "got": got}
             except RuntimeError as e:
                 result = {"raised": str(e), "got": got}
+            victim.write_bytes(saved)
+
+            agree = distributed.SharedLoad._agree
+
+            def agree_then_cut(load, *args):
+                agree(load, *args)
+                cut()
+
+            distributed.SharedLoad._agree = agree_then_cut
+            try:
+                result["bulk"] = {"raised": None, "got": sorted(fst.load("model.safetensors", process_group=self.group,
+                                                                          reader="direct"))}
+            except RuntimeError as e:
+                result["bulk"] = {"raised": str(e), "got": []}
+            finally:
+                distributed.SharedLoad._agree = agree
         finally:
             os.chdir(cwd)
             victim.write_bytes(saved)
@@ -711,10 +734,11 @@ def test_a_rank_whose_read_fails_makes_every_rank_raise_with_nothing_handed_out(
         pytest.skip("a group of one is an ordinary stream, which reads ahead as soon as it is opened")
     for r in ranks:
         result = r["read_failure"]
-        assert result["raised"] is not None and "model.safetensors" in result["raised"], result
-        if n > 1:
-            assert f"read by rank {n - 1} of the {n} ranks" in result["raised"], result
-        assert result["got"] == [], "no tensor of an unfilled buffer"
+        for outcome in (result, result["bulk"]):
+            assert outcome["raised"] is not None and "model.safetensors" in outcome["raised"], outcome
+            assert f"read by rank {n - 1} of the {n} ranks" in outcome["raised"], outcome
+            assert "nothing was loaded" in outcome["raised"], outcome
+            assert outcome["got"] == [], "no tensor of an unfilled buffer"
         assert result["after"] == sum(range(n))
 
 
