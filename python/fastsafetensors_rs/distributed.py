@@ -402,15 +402,15 @@ class SharedTensors:
 
 
 @contextlib.contextmanager
-def _exchange_of(path: str) -> Iterator[None]:
-    """A collective exchanging bytes of file `path`: the process group's own error (a rank that
-    died, one that stopped for longer than the group's timeout) raised in one line naming the
-    file, rather than bare."""
+def _exchange_of(what: str) -> Iterator[None]:
+    """A collective exchanging bytes of `what` (a file's path, or words naming files): the
+    process group's own error (a rank that died, one that stopped for longer than the group's
+    timeout) raised in one line naming them, rather than bare."""
     try:
         yield
     except RuntimeError as e:
         reason = " ".join(str(e).split())
-        raise RuntimeError(f"{redact(path)}: the exchange with the other ranks of the process group failed (a rank "
+        raise RuntimeError(f"{redact(what)}: the exchange with the other ranks of the process group failed (a rank "
                            f"died, or stopped for longer than the group's timeout): {reason}") from e
 
 

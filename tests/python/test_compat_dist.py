@@ -412,6 +412,31 @@ class Worker:
         result["after"] = int(t)
         return result
 
+    def rank_dies(self) -> dict:
+        """The last rank exits: before `copy_files_to_device` ($FST_STOP=copy) or once the
+        buffer is open ($FST_STOP=get, before any `get_tensor`). The others' next call raises:
+        how long it took, and what."""
+        import time
+
+        import fastsafetensors_rs as fst
+
+        loader = fst.SafeTensorsFileLoader(self.pg, "cpu")
+        loader.add_filenames(self.paths(SPREAD, owner_map(len(SPREAD), self.world)))
+        last, stop = self.rank == self.world - 1, os.environ["FST_STOP"]
+        start = time.monotonic()
+        try:
+            if last and stop == "copy":
+                os._exit(0)
+            fb = loader.copy_files_to_device()
+            if last and stop == "get":
+                os._exit(0)
+            start = time.monotonic()
+            for name in fb.keys():
+                fb.get_tensor(name)
+            return {"raised": None, "seconds": time.monotonic() - start}
+        except Exception as e:
+            return {"raised": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
+
     def memory(self) -> dict:
         """RSS above a baseline while every rank keeps its shard of every tensor: once all
         were handed out, and after the buffer and the loader are closed and dropped. Runs
@@ -475,7 +500,7 @@ def worker_main(mode: str, d: str, rank: int, world: int, init_file: str) -> int
         results["error"] = traceback.format_exc()
         status = 1
     torch.save(results, Path(d) / f"{mode}.w{world}.rank{rank}.pt")
-    if status == 0:
+    if status == 0 and mode != "rank_dies":  # (a rank is gone: no barrier can complete)
         dist.barrier()
         dist.destroy_process_group()
     return status
@@ -684,6 +709,25 @@ def test_a_failed_read_raises_on_every_rank(world):
         else:
             assert f"[{n - 1}]" in got["message"], got
         assert got["after"] == sum(range(n)), "the group is still usable"
+
+
+@pytest.mark.parametrize("stop", ["copy", "get"])
+def test_a_rank_that_dies_fails_the_others_at_once_naming_the_files(ckpt, stop):
+    """3 ranks; the last exits before copy_files_to_device, or after it before any
+    get_tensor. The other two raise at their next call, not hang, in one line naming what they
+    were exchanging (the loader's files; the tensor's file) with the process group's error."""
+    ranks = run_ranks(ckpt, "rank_dies", 3, {"FST_STOP": stop})
+    for r in ranks[:2]:
+        result = r["rank_dies"]
+        raised = result["raised"]
+        assert raised is not None and raised.startswith("RuntimeError: ") and "\n" not in raised, result
+        assert "the exchange with the other ranks of the process group failed (a rank died" in raised, raised
+        if stop == "copy":
+            assert f"{SPREAD[0]} and 3 more files: " in raised, raised
+        else:
+            assert any(f"{f}: " in raised for f in SPREAD), raised
+        assert result["seconds"] < 30, result
+        print(f"{stop}: raised after {result['seconds']:.1f} s: {raised[:300]}")
 
 
 def test_no_memory_retained_beyond_the_callers_tensors(world):

@@ -10,6 +10,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, 
 
 import torch
 
+from ..distributed import _exchange_of
 from .collectives import Group, as_bytes
 from .tensor import TorchTensor, wrap
 from .types import Device, DTypeLike, as_torch_dtype, resolve_device
@@ -230,10 +231,12 @@ class FilesBufferOnDevice:
         if self._group.is_single or me == e.rank == dst_rank:
             t = self._local_tensor(e)
         elif me == e.rank:
-            self._group.send(self._local_tensor(e), dst_rank)
+            with _exchange_of(e.path):
+                self._group.send(self._local_tensor(e), dst_rank)
         elif me == dst_rank:
             t = torch.empty(e.torch_shape, dtype=e.dtype, device=self.device)
-            self._group.recv(t, e.rank)
+            with _exchange_of(e.path):
+                self._group.recv(t, e.rank)
         self._hand_out([e])
         return None if t is None else self._convert(t, device, dtype)
 
@@ -378,7 +381,8 @@ class FilesBufferOnDevice:
                 if owner
                 else torch.empty(e.torch_shape, dtype=e.dtype, device=self.device)
             )
-            self._group.broadcast(t, e.rank)
+            with _exchange_of(e.path):
+                self._group.broadcast(t, e.rank)
             return t
         members = [e] + self._companions(e, wanted)
         offsets: List[int] = []
@@ -390,7 +394,8 @@ class FilesBufferOnDevice:
         if owner:
             for m, off in zip(members, offsets):
                 flat[off : off + m.nbytes].copy_(as_bytes(self._local_tensor(m)))
-        self._group.broadcast(flat, e.rank)
+        with _exchange_of(e.path):
+            self._group.broadcast(flat, e.rank)
         logger.debug(
             "coalesced broadcast of %d tensors (%d bytes) from %s", len(members), size, e.path
         )
@@ -468,7 +473,8 @@ class FilesBufferOnDevice:
                         _bits(chunk.narrow(dim, pos, n)).copy_(_bits(t.narrow(dim, r * b, n)))
                         pos += n
                 chunks.append(chunk)
-        self._group.scatter(out, chunks, src)
+        with _exchange_of(run[0].path):
+            self._group.scatter(out, chunks, src)
         if totals[me] == padded:
             return out
         return out.narrow(dim, 0, totals[me]).clone()  # own exactly this rank's bytes

@@ -16,6 +16,7 @@ from .. import keep as _keep
 from .._dtypes import cast_dtype
 from .._errors import mapped_errors
 from .._ops import describe
+from ..distributed import _exchange_of
 from ..verify import spec as verify_spec
 from .buffer import FileEntry, FilesBufferOnDevice, TensorEntry, TensorNotFoundError
 from .collectives import Group
@@ -124,7 +125,13 @@ def open_buffer(
     Every rank learns whether all ranks succeeded before any tensor moves: a failure on
     one rank is raised on all of them, instead of leaving the others in a collective."""
     group = Group(pg)
-    failed = group.failed_ranks(error is None, device) if not group.is_single else []
+    try:
+        with _exchange_of(_files_named(plan)):
+            failed = group.failed_ranks(error is None, device) if not group.is_single else []
+    except RuntimeError as e:
+        if error is not None:
+            raise error from e  # this rank's own failure says more than the group's
+        raise
     if error is not None:
         raise error
     if failed:
@@ -134,6 +141,14 @@ def open_buffer(
         )
     assert plan is not None and local is not None
     return FilesBufferOnDevice(plan.files, plan.entries, local, pg, device)
+
+
+def _files_named(plan: Optional[LoadPlan]) -> str:
+    """The plan's files as an error names them: the first, and how many more."""
+    paths = [f.path for f in plan.files] if plan is not None else []
+    if not paths:
+        return "the loader's files"
+    return paths[0] + (f" and {len(paths) - 1} more file{'s' * (len(paths) > 2)}" if len(paths) > 1 else "")
 
 
 def _enable_debug_log() -> None:
