@@ -122,6 +122,43 @@ def test_each_failure_says_what_failed(model, bundle, identity, issuer, says):
     assert says in str(e.value) and "\n" not in str(e.value)
 
 
+LOG_KEY_REFUSED = "the transparency log's signed entry timestamp does not verify: No log key valid at integrated " \
+                  "time 2025-06-01T12:01:00Z"
+CT_KEY_REFUSED = "the signing certificate's signed certificate timestamp does not verify"
+
+
+@pytest.mark.parametrize("log, window, ours, python_ok", [
+    # good.sig's SCT was made at 12:00:00.5 and its entry logged at 12:01:00 on 2025-06-01.
+    ("tlogs", {"start": "2025-06-01T12:05:00Z"}, LOG_KEY_REFUSED, True),
+    ("tlogs", {"start": "2025-01-01T00:00:00Z", "end": "2025-06-01T12:00:30Z"}, LOG_KEY_REFUSED, True),
+    ("tlogs", {"start": "2025-01-01T00:00:00Z", "end": "2025-12-31T00:00:00Z"}, "ok", True),  # rotated since
+    ("tlogs", {"start": "2999-01-01T00:00:00Z"}, LOG_KEY_REFUSED, False),
+    ("ctlogs", {"start": "2025-06-01T12:05:00Z"}, CT_KEY_REFUSED, True),
+    ("ctlogs", {"start": "2025-01-01T00:00:00Z", "end": "2025-06-01T11:59:00Z"}, CT_KEY_REFUSED, True),
+    ("ctlogs", {"start": "2025-01-01T00:00:00Z", "end": "2025-12-31T00:00:00Z"}, "ok", True),
+    ("ctlogs", {"start": "2999-01-01T00:00:00Z"}, CT_KEY_REFUSED, False),
+], ids=["tlog-later", "tlog-ended", "tlog-rotated", "tlog-future", "ctlog-later", "ctlog-ended", "ctlog-rotated",
+        "ctlog-future"])
+def test_a_log_key_counts_only_within_its_window_at_the_time_it_vouched_for(model, tmp_path, log, window, ours,
+                                                                            python_ok):
+    """The trusted root's window of the Rekor key (`tlogs`) held against the entry's
+    integrated time, and the CT log key's (`ctlogs`) against the SCT's: a key rotated out
+    since still verifies what it signed while in force. sigstore-python holds only the start
+    against the present, so it accepts more; never the reverse."""
+    root = json.loads(ROOT.read_text())
+    root[log][0]["publicKey"]["validFor"] = window
+    edited = tmp_path / "trusted_root.json"
+    edited.write_text(json.dumps(root))
+    assert (_python_verdict(DATA / "good.sig", IDENTITY, ISSUER, edited) == "ok") == python_ok
+    if ours == "ok":
+        assert set(_load(model, "good.sig", root=edited)) == {"w"}
+        return
+    with pytest.raises(SafetensorError) as e:
+        _load(model, "good.sig", root=edited)
+    message = str(e.value)
+    assert message.startswith(f"{DATA / 'good.sig'}: signature does not verify: {ours}") and "\n" not in message, message
+
+
 def test_the_cli_and_model_signing_agree_on_a_directory(model, tmp_path):
     """`model_signing verify sigstore ARGS --trust_config C` and `fastsafetensors-rs verify ARGS`
     with the same arguments: verified; then, with our own spelling and the trusted root itself,
