@@ -204,6 +204,15 @@ fn explain(e: &SigstoreError, bundle: &Bundle, root: &TrustedRoot, certificate: 
             (None, C::Sct(why)) => {
                 format!("the signing certificate's signed certificate timestamp does not verify: {why}")
             }
+            (None, C::ChainInvalid(why)) if stamped_outside_validity(bundle, why) => {
+                let (from, to) = validity_seconds(certificate).unwrap_or_default();
+                format!(
+                    "the signing certificate was not valid at the time an RFC 3161 timestamp of the bundle gives: \
+                     valid from {} to {} ({why})",
+                    super::format_time(from),
+                    super::format_time(to)
+                )
+            }
             (None, C::ChainInvalid(why)) if why.contains("RequiredEkuNotFound") => {
                 "the signing certificate is not for code signing (it lacks the codeSigning extended key usage)"
                     .to_owned()
@@ -249,9 +258,7 @@ fn unknown_log(bundle: &Bundle, root: &TrustedRoot) -> Option<String> {
 /// Where the log recorded the entry outside the signing certificate's validity, that, in words.
 fn outside_validity(bundle: &Bundle, certificate: &[u8]) -> Option<String> {
     let logged = bundle.verification_material.tlog_entries.first()?.integrated_time?.as_second();
-    let cert = super::chain::parse(certificate).ok()?;
-    let validity = cert.validity();
-    let (from, to) = (validity.not_before.timestamp(), validity.not_after.timestamp());
+    let (from, to) = validity_seconds(certificate)?;
     (logged < from || logged > to).then(|| {
         format!(
             "the signing certificate was not valid when the log recorded the entry: valid from {} to {}, logged at {}",
@@ -260,6 +267,21 @@ fn outside_validity(bundle: &Bundle, certificate: &[u8]) -> Option<String> {
             super::format_time(logged)
         )
     })
+}
+
+/// Whether a chain that failed on the signing certificate's validity failed at an RFC 3161
+/// timestamp's time: the chain is checked at each time the signing was established at, and
+/// the log's time was within it (else [`outside_validity`] said so first).
+fn stamped_outside_validity(bundle: &Bundle, why: &str) -> bool {
+    !bundle.verification_material.timestamp_verification_data.rfc3161_timestamps.is_empty()
+        && (why.contains("CertExpired") || why.contains("CertNotValidYet"))
+}
+
+/// The signing certificate's notBefore and notAfter, in seconds since 1970.
+fn validity_seconds(certificate: &[u8]) -> Option<(i64, i64)> {
+    let cert = super::chain::parse(certificate).ok()?;
+    let validity = cert.validity();
+    Some((validity.not_before.timestamp(), validity.not_after.timestamp()))
 }
 
 /// `text` on one line: control characters (from a certificate, a bundle) escaped.
@@ -403,7 +425,8 @@ mod tests {
     }
 
     /// Where this verifier refuses what sigstore-python accepts (keyless.rs's module doc).
-    const STRICTER: [&str; 2] = ["issuer-v2-differs.sig", "second-san.sig"];
+    const STRICTER: [&str; 4] =
+        ["issuer-v2-differs.sig", "second-san.sig", "timestamp-other-bytes.sig", "timestamp-unknown-tsa.sig"];
 
     /// Every case of cases.json: sigstore-python's verdict, and what is said here.
     #[test]
@@ -463,6 +486,25 @@ mod tests {
             ("issuer-v2-only.sig", IDENTITY, ISSUER, "invalid: the signing certificate has no OIDC issuer extension 1.3.6.1.4.1.57264.1.1"),
             ("issuer-v2-differs.sig", IDENTITY, ISSUER, "invalid: the signing certificate's OIDC issuer is https://other-issuer.example.com, not https://issuer.example.com"),
             ("second-san.sig", IDENTITY, ISSUER, "invalid: the signing certificate's identity is someone@example.com, not signer@example.com"),
+            ("timestamped.sig", IDENTITY, ISSUER, "ok"),
+            (
+                "timestamp-other-bytes.sig",
+                IDENTITY,
+                ISSUER,
+                "invalid: the signing time: invalid RFC 3161 timestamp: TSA timestamp verification failed: Timestamp message hash mismatch",
+            ),
+            (
+                "timestamp-after-expiry.sig",
+                IDENTITY,
+                ISSUER,
+                "invalid: the signing certificate was not valid at the time an RFC 3161 timestamp of the bundle gives: valid from 2025-06-01T12:00:00Z to 2025-06-01T12:10:00Z (",
+            ),
+            (
+                "timestamp-unknown-tsa.sig",
+                IDENTITY,
+                ISSUER,
+                "invalid: the signing time: invalid RFC 3161 timestamp: TSA timestamp verification failed: Failed to verify timestamp signature: CMS signer does not match any trusted TSA certificate",
+            ),
         ];
         let cases: serde_json::Value =
             serde_json::from_slice(&std::fs::read(data("cases.json")).expect("cases.json")).expect("JSON");

@@ -11,8 +11,10 @@ root lists its services. Every bundle signs the in-toto statement model_signing 
     python tests/data/sigstore/make.py          # writes trusted_root.json, *.sig, cases.json
     python tests/data/sigstore/make.py check    # what sigstore-python's offline Verifier says
 
-It needs `cryptography` and `sigstore` (4.x). The keys are new on every run (so every file
-changes) and are not kept. cases.json lists each case (a bundle, the identity and issuer it is
+A test timestamp authority (a root and its timestamping certificate) makes RFC 3161 timestamps
+of an envelope's signature, as Sigstore's timestamp authority does. It needs `cryptography`,
+`asn1crypto` (the timestamps' CMS; model_signing depends on it) and `sigstore` (4.x). The keys
+are new on every run (so every file changes) and are not kept. cases.json lists each case (a bundle, the identity and issuer it is
 checked against) and what sigstore-python's offline `Verifier.verify_dsse` says of it;
 tests/python/test_verify_keyless.py asks sigstore-python again on every run.
 """
@@ -24,6 +26,8 @@ import json
 import pathlib
 import sys
 
+from asn1crypto import cms, tsp  # noqa: F401 (tsp registers TSTInfo with cms)
+from asn1crypto import x509 as asn1_x509
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -96,6 +100,64 @@ def ca(cn, key, issuer=None, issuer_key=None, start=(2025, 1, 1), end=(2035, 1, 
     if issuer:
         b = b.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CODE_SIGNING]), critical=False)
     return b.sign(issuer_key, hashes.SHA384())
+
+
+def tsa_leaf(key, issuer, issuer_key):
+    """A timestamp authority's signing certificate: its only extended key usage timeStamping,
+    critical (RFC 3161)."""
+    return (
+        x509.CertificateBuilder()
+        .subject_name(name("test-tsa"))
+        .issuer_name(issuer.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(datetime.datetime(2025, 1, 1, tzinfo=UTC))
+        .not_valid_after(datetime.datetime(2035, 1, 1, tzinfo=UTC))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.KeyUsage(True, False, False, False, False, False, False, False, False), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.TIME_STAMPING]), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()), critical=False)
+        .sign(issuer_key, hashes.SHA384())
+    )
+
+
+def timestamp(message, key, cert, at):
+    """An RFC 3161 timestamp response granting a TimeStampToken (CMS SignedData over a TSTInfo)
+    of `message` at `at`, signed by `key` with `cert`."""
+    info = tsp.TSTInfo({
+        "version": "v1",
+        "policy": "1.3.6.1.4.1.57264.2",
+        "message_imprint": {"hash_algorithm": {"algorithm": "sha256"},
+                            "hashed_message": hashlib.sha256(message).digest()},
+        "serial_number": x509.random_serial_number(),
+        "gen_time": at,
+    })
+    der_cert = asn1_x509.Certificate.load(cert.public_bytes(serialization.Encoding.DER))
+    attrs = cms.CMSAttributes([
+        {"type": "content_type", "values": ["tst_info"]},
+        {"type": "message_digest", "values": [hashlib.sha256(info.dump()).digest()]},
+        {"type": "signing_certificate_v2",
+         "values": [{"certs": [{"cert_hash": hashlib.sha256(der_cert.dump()).digest()}]}]},
+    ])
+    signer = cms.SignerInfo({
+        "version": "v1",
+        "sid": {"issuer_and_serial_number": {"issuer": der_cert.issuer, "serial_number": der_cert.serial_number}},
+        "digest_algorithm": {"algorithm": "sha256"},
+        "signed_attrs": attrs,
+        "signature_algorithm": {"algorithm": "sha256_ecdsa"},
+        "signature": key.sign(attrs.dump(), ec.ECDSA(hashes.SHA256())),  # over the attributes' DER SET
+    })
+    signed = cms.SignedData({
+        "version": "v3",
+        "digest_algorithms": [{"algorithm": "sha256"}],
+        "encap_content_info": {"content_type": "tst_info", "content": info},
+        "certificates": [der_cert],
+        "signer_infos": [signer],
+    })
+    token = cms.ContentInfo({"content_type": "signed_data", "content": signed})
+    # A bundle carries the authority's whole response (TimeStampResp), the token inside it.
+    return tsp.TimeStampResp({"status": {"status": "granted"}, "time_stamp_token": token}).dump()
 
 
 def der_utf8(text):
@@ -249,12 +311,14 @@ class Log:
         }
 
 
-def bundle(payload, key, cert, log, *, logged_signature=None, edit_payload=None, **entry):
+def bundle(payload, key, cert, log, *, logged_signature=None, edit_payload=None, stamp=None, **entry):
     """A v0.3 bundle as sigstore-python writes them: the leaf alone, one log entry, the DSSE
     envelope. `logged_signature`: the log entry records another signature than the envelope's;
-    `edit_payload`: the payload changed after signing and logging."""
+    `edit_payload`: the payload changed after signing and logging; `stamp(signature)`: an RFC
+    3161 timestamp of the envelope's signature."""
     signature = sign(key, pae(payload))
     tlog = log.entry(payload, logged_signature or signature, cert, **entry)
+    stamps = {"rfc3161Timestamps": [{"signedTimestamp": b64(stamp(signature))}]} if stamp else {}
     if edit_payload is not None:
         payload = edit_payload(payload)
     return {
@@ -262,7 +326,7 @@ def bundle(payload, key, cert, log, *, logged_signature=None, edit_payload=None,
         "verificationMaterial": {
             "certificate": {"rawBytes": b64(cert.public_bytes(serialization.Encoding.DER))},
             "tlogEntries": [tlog],
-            "timestampVerificationData": {},
+            "timestampVerificationData": stamps,
         },
         "dsseEnvelope": {"payload": b64(payload), "payloadType": INTOTO, "signatures": [{"sig": b64(signature)}]},
     }
@@ -272,21 +336,21 @@ def public_key(key, start="2025-01-01T00:00:00Z"):
     return {"rawBytes": b64(spki(key)), "keyDetails": "PKIX_ECDSA_P256_SHA_256", "validFor": {"start": start}}
 
 
-def trusted_root(rekor, ct, chains):
+def authority(cn, uri, chain):
+    return {"subject": {"organization": "example", "commonName": cn}, "uri": uri,
+            "certChain": {"certificates": [{"rawBytes": b64(c.public_bytes(serialization.Encoding.DER))} for c in chain]},
+            "validFor": {"start": "2025-01-01T00:00:00Z"}}
+
+
+def trusted_root(rekor, ct, chains, tsa_chain):
     return {
         "mediaType": "application/vnd.dev.sigstore.trustedroot+json;version=0.1",
         "tlogs": [{"baseUrl": "https://rekor.example.com", "hashAlgorithm": "SHA2_256", "publicKey": public_key(rekor),
                    "logId": {"keyId": b64(key_id(rekor))}}],
-        "certificateAuthorities": [
-            {"subject": {"organization": "example", "commonName": cn}, "uri": "https://fulcio.example.com",
-             "certChain": {"certificates": [{"rawBytes": b64(c.public_bytes(serialization.Encoding.DER))}
-                                            for c in chain]},
-             "validFor": {"start": "2025-01-01T00:00:00Z"}}
-            for cn, chain in chains
-        ],
+        "certificateAuthorities": [authority(cn, "https://fulcio.example.com", chain) for cn, chain in chains],
         "ctlogs": [{"baseUrl": "https://ctfe.example.com", "hashAlgorithm": "SHA2_256", "publicKey": public_key(ct),
                     "logId": {"keyId": b64(key_id(ct))}}],
-        "timestampAuthorities": [],
+        "timestampAuthorities": [authority("test-tsa", "https://tsa.example.com/api/v1/timestamp", tsa_chain)],
     }
 
 
@@ -307,13 +371,23 @@ def make():
     old_inter = ca("test-fulcio-intermediate-2024", old_inter_key, fulcio_root, root_key, (2024, 1, 1), (2025, 1, 1))
     rekor, ct = p256(), p256()
     log = Log(rekor)
+    tsa_root_key, tsa_key = p384(), p256()
+    tsa_root = ca("test-tsa-root", tsa_root_key)
+    tsa = tsa_leaf(tsa_key, tsa_root, tsa_root_key)
     (HERE / "trusted_root.json").write_text(json.dumps(
-        trusted_root(rekor, ct, [("test-fulcio", [inter, fulcio_root]), ("test-fulcio-2024", [old_inter, fulcio_root])]),
+        trusted_root(rekor, ct, [("test-fulcio", [inter, fulcio_root]), ("test-fulcio-2024", [old_inter, fulcio_root])],
+                     [tsa, tsa_root]),
         indent=2) + "\n")
 
     # Keys that are not in the trusted root.
     stranger_ca_key, stranger_ct, stranger_rekor = p384(), p256(), p256()
     stranger_ca = ca("test-fulcio-intermediate", stranger_ca_key)
+    stranger_tsa_root_key, stranger_tsa_key = p384(), p256()
+    stranger_tsa_root = ca("test-tsa-root", stranger_tsa_root_key)
+    stranger_tsa = tsa_leaf(stranger_tsa_key, stranger_tsa_root, stranger_tsa_root_key)
+
+    def stamped(at=ISSUED + datetime.timedelta(seconds=30), key=tsa_key, cert=tsa, of=None):
+        return lambda signature: timestamp(of or signature, key, cert, at)
 
     def signer(**options):
         key = p256()
@@ -334,6 +408,12 @@ def make():
     write("unknown-log.sig", bundle(payload, key, cert, Log(stranger_rekor)))
     write("entry-mismatch.sig", bundle(payload, key, cert, log, logged_signature=sign(key, pae(payload + b" "))))
     write("other-key.sig", bundle(payload, p256(), cert, log))
+    write("timestamped.sig", bundle(payload, key, cert, log, stamp=stamped()))
+    write("timestamp-other-bytes.sig", bundle(payload, key, cert, log, stamp=stamped(of=b"other bytes")))
+    write("timestamp-after-expiry.sig", bundle(payload, key, cert, log,
+                                               stamp=stamped(at=ISSUED + datetime.timedelta(minutes=20))))
+    write("timestamp-unknown-tsa.sig", bundle(payload, key, cert, log,
+                                              stamp=stamped(key=stranger_tsa_key, cert=stranger_tsa)))
 
     key, cert = signer(sans=[x509.UniformResourceIdentifier(WORKFLOW)], issuer_v1=ACTIONS, issuer_v2=ACTIONS)
     write("workflow.sig", bundle(payload, key, cert, log))
@@ -379,6 +459,10 @@ def make():
         ["issuer-v2-only.sig", IDENTITY, ISSUER],
         ["issuer-v2-differs.sig", IDENTITY, ISSUER],
         ["second-san.sig", IDENTITY, ISSUER],
+        ["timestamped.sig", IDENTITY, ISSUER],
+        ["timestamp-other-bytes.sig", IDENTITY, ISSUER],
+        ["timestamp-after-expiry.sig", IDENTITY, ISSUER],
+        ["timestamp-unknown-tsa.sig", IDENTITY, ISSUER],
     ]
     write("cases.json", [{"bundle": b, "identity": i, "issuer": s, "sigstore_python": python_verdict(b, i, s)}
                          for b, i, s in cases])
