@@ -134,6 +134,8 @@ def test_each_failure_says_what_failed(model, bundle, identity, issuer, says):
 LOG_KEY_REFUSED = "the transparency log's signed entry timestamp does not verify: No log key valid at integrated " \
                   "time 2025-06-01T12:01:00Z"
 CT_KEY_REFUSED = "the signing certificate's signed certificate timestamp does not verify"
+TSA_REFUSED = "the signing time: RFC 3161 timestamp 2025-06-01T12:00:30Z is outside the validity period of the " \
+              "authority that signed it"
 
 
 @pytest.mark.parametrize("log, window, ours, python_ok", [
@@ -146,26 +148,33 @@ CT_KEY_REFUSED = "the signing certificate's signed certificate timestamp does no
     ("ctlogs", {"start": "2025-01-01T00:00:00Z", "end": "2025-06-01T11:59:00Z"}, CT_KEY_REFUSED, True),
     ("ctlogs", {"start": "2025-01-01T00:00:00Z", "end": "2025-12-31T00:00:00Z"}, "ok", True),
     ("ctlogs", {"start": "2999-01-01T00:00:00Z"}, CT_KEY_REFUSED, False),
+    # timestamped.sig's RFC 3161 timestamp is of 12:00:30.
+    ("timestampAuthorities", {"start": "2025-06-01T12:05:00Z"}, TSA_REFUSED, True),
+    ("timestampAuthorities", {"start": "2025-01-01T00:00:00Z", "end": "2025-06-01T12:00:10Z"}, TSA_REFUSED, True),
+    ("timestampAuthorities", {"start": "2025-01-01T00:00:00Z", "end": "2025-12-31T00:00:00Z"}, "ok", True),
 ], ids=["tlog-later", "tlog-ended", "tlog-rotated", "tlog-future", "ctlog-later", "ctlog-ended", "ctlog-rotated",
-        "ctlog-future"])
-def test_a_log_key_counts_only_within_its_window_at_the_time_it_vouched_for(model, tmp_path, log, window, ours,
-                                                                            python_ok):
+        "ctlog-future", "tsa-later", "tsa-ended", "tsa-rotated"])
+def test_a_log_key_or_authority_counts_only_within_its_window_at_the_time_it_vouched_for(model, tmp_path, log, window,
+                                                                                         ours, python_ok):
     """The trusted root's window of the Rekor key (`tlogs`) held against the entry's
-    integrated time, and the CT log key's (`ctlogs`) against the SCT's: a key rotated out
-    since still verifies what it signed while in force. sigstore-python holds only the start
-    against the present, so it accepts more; never the reverse."""
+    integrated time, the CT log key's (`ctlogs`) against the SCT's, the timestamp authority's
+    against its timestamp's: one rotated out since still verifies what it signed while in
+    force. sigstore-python holds only the start against the present (and drops a timestamp it
+    cannot verify), so it accepts more; never the reverse."""
     root = json.loads(ROOT.read_text())
-    root[log][0]["publicKey"]["validFor"] = window
+    entry = root[log][0]
+    (entry if log == "timestampAuthorities" else entry["publicKey"])["validFor"] = window
     edited = tmp_path / "trusted_root.json"
     edited.write_text(json.dumps(root))
-    assert (_python_verdict(DATA / "good.sig", IDENTITY, ISSUER, edited) == "ok") == python_ok
+    bundle = "timestamped.sig" if log == "timestampAuthorities" else "good.sig"
+    assert (_python_verdict(DATA / bundle, IDENTITY, ISSUER, edited) == "ok") == python_ok
     if ours == "ok":
-        assert set(_load(model, "good.sig", root=edited)) == {"w"}
+        assert set(_load(model, bundle, root=edited)) == {"w"}
         return
     with pytest.raises(SafetensorError) as e:
-        _load(model, "good.sig", root=edited)
+        _load(model, bundle, root=edited)
     message = str(e.value)
-    assert message.startswith(f"{DATA / 'good.sig'}: signature does not verify: {ours}") and "\n" not in message, message
+    assert message.startswith(f"{DATA / bundle}: signature does not verify: {ours}") and "\n" not in message, message
 
 
 def test_the_cli_and_model_signing_agree_on_a_directory(model, tmp_path):
