@@ -10,7 +10,6 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, 
 
 import torch
 
-from ..distributed import _exchange_of
 from .collectives import Group, as_bytes
 from .tensor import TorchTensor, wrap
 from .types import Device, DTypeLike, as_torch_dtype, resolve_device
@@ -231,12 +230,10 @@ class FilesBufferOnDevice:
         if self._group.is_single or me == e.rank == dst_rank:
             t = self._local_tensor(e)
         elif me == e.rank:
-            with _exchange_of(e.path):
-                self._group.send(self._local_tensor(e), dst_rank)
+            self._group.send(self._local_tensor(e), dst_rank, of=e.path)
         elif me == dst_rank:
             t = torch.empty(e.torch_shape, dtype=e.dtype, device=self.device)
-            with _exchange_of(e.path):
-                self._group.recv(t, e.rank)
+            self._group.recv(t, e.rank, of=e.path)
         self._hand_out([e])
         return None if t is None else self._convert(t, device, dtype)
 
@@ -381,8 +378,7 @@ class FilesBufferOnDevice:
                 if owner
                 else torch.empty(e.torch_shape, dtype=e.dtype, device=self.device)
             )
-            with _exchange_of(e.path):
-                self._group.broadcast(t, e.rank)
+            self._group.broadcast(t, e.rank, of=e.path)
             return t
         members = [e] + self._companions(e, wanted)
         offsets: List[int] = []
@@ -394,8 +390,7 @@ class FilesBufferOnDevice:
         if owner:
             for m, off in zip(members, offsets):
                 flat[off : off + m.nbytes].copy_(as_bytes(self._local_tensor(m)))
-        with _exchange_of(e.path):
-            self._group.broadcast(flat, e.rank)
+        self._group.broadcast(flat, e.rank, of=e.path)
         logger.debug(
             "coalesced broadcast of %d tensors (%d bytes) from %s", len(members), size, e.path
         )
@@ -473,8 +468,7 @@ class FilesBufferOnDevice:
                         _bits(chunk.narrow(dim, pos, n)).copy_(_bits(t.narrow(dim, r * b, n)))
                         pos += n
                 chunks.append(chunk)
-        with _exchange_of(run[0].path):
-            self._group.scatter(out, chunks, src)
+        self._group.scatter(out, chunks, src, of=run[0].path)
         if totals[me] == padded:
             return out
         return out.narrow(dim, 0, totals[me]).clone()  # own exactly this rank's bytes

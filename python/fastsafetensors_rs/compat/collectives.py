@@ -3,7 +3,9 @@
 Every collective moves raw bytes: tensors are viewed as flat uint8 before they reach
 torch.distributed, so any dtype (bool, float8, float4, uint16, complex, ...) travels
 through any backend (gloo on CPU, NCCL on GPU) bit for bit, and no value is ever converted
-on the way. Ranks are those of the group; they are mapped to global ranks here.
+on the way. Ranks are those of the group; they are mapped to global ranks here. Each
+collective names what it exchanges (`of`: a file, or words naming files), so that the group's
+own error (a rank that died, or stopped past the group's timeout) is raised naming it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..distributed import _exchange_of
 from .types import SingleGroup
 
 
@@ -74,32 +77,36 @@ class Group:
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self._process_group(), group_rank)
 
-    def broadcast(self, t: torch.Tensor, src: int) -> None:
+    def broadcast(self, t: torch.Tensor, src: int, of: str) -> None:
         """Fills `t` on every rank with `src`'s `t`."""
         if self.is_single or t.numel() == 0:
             return
-        dist.broadcast(as_bytes(t), src=self.global_rank(src), group=self._process_group())
+        with _exchange_of(of):
+            dist.broadcast(as_bytes(t), src=self.global_rank(src), group=self._process_group())
 
     def scatter(
-        self, out: torch.Tensor, chunks: Optional[Sequence[torch.Tensor]], src: int
+        self, out: torch.Tensor, chunks: Optional[Sequence[torch.Tensor]], src: int, of: str
     ) -> None:
         """Rank r's `out` receives `chunks[r]` of `src` (chunks: one per rank, each with
         `out`'s size, given on `src` only)."""
         if out.numel() == 0:
             return
         data = [as_bytes(c) for c in chunks] if self.rank == src and chunks is not None else None
-        dist.scatter(as_bytes(out), scatter_list=data, src=self.global_rank(src),
-                     group=self._process_group())
+        with _exchange_of(of):
+            dist.scatter(as_bytes(out), scatter_list=data, src=self.global_rank(src),
+                         group=self._process_group())
 
-    def send(self, t: torch.Tensor, dst: int) -> None:
+    def send(self, t: torch.Tensor, dst: int, of: str) -> None:
         if t.numel():
-            dist.send(as_bytes(t), dst=self.global_rank(dst), group=self._process_group())
+            with _exchange_of(of):
+                dist.send(as_bytes(t), dst=self.global_rank(dst), group=self._process_group())
 
-    def recv(self, t: torch.Tensor, src: int) -> None:
+    def recv(self, t: torch.Tensor, src: int, of: str) -> None:
         if t.numel():
-            dist.recv(as_bytes(t), src=self.global_rank(src), group=self._process_group())
+            with _exchange_of(of):
+                dist.recv(as_bytes(t), src=self.global_rank(src), group=self._process_group())
 
-    def failed_ranks(self, ok: bool, device: torch.device) -> List[int]:
+    def failed_ranks(self, ok: bool, device: torch.device, of: str) -> List[int]:
         """Tells every rank which ranks report `ok=False` (one small all-reduce), so that
         a failure on one rank is raised on all of them instead of leaving the others
         waiting in a collective."""
@@ -108,5 +115,6 @@ class Group:
         flags = torch.zeros(self.size, dtype=torch.int32, device=device)
         if not ok:
             flags[self.rank] = 1
-        dist.all_reduce(flags, group=self._process_group())
+        with _exchange_of(of):
+            dist.all_reduce(flags, group=self._process_group())
         return [r for r, bad in enumerate(flags.tolist()) if bad]

@@ -16,7 +16,6 @@ from .. import keep as _keep
 from .._dtypes import cast_dtype
 from .._errors import mapped_errors
 from .._ops import describe
-from ..distributed import _exchange_of
 from ..verify import spec as verify_spec
 from .buffer import FileEntry, FilesBufferOnDevice, TensorEntry, TensorNotFoundError
 from .collectives import Group
@@ -126,8 +125,7 @@ def open_buffer(
     one rank is raised on all of them, instead of leaving the others in a collective."""
     group = Group(pg)
     try:
-        with _exchange_of(_files_named(plan)):
-            failed = group.failed_ranks(error is None, device) if not group.is_single else []
+        failed = group.failed_ranks(error is None, device, of=_files_named(plan)) if not group.is_single else []
     except RuntimeError as e:
         if error is not None:
             raise error from e  # this rank's own failure says more than the group's
