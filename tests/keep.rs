@@ -97,7 +97,11 @@ fn a_second_load_attaches_to_the_bytes_the_first_kept() {
     assert_ne!(second.bytes(t)[0], third.bytes(t)[0]);
 
     drop((first, second, third));
-    std::thread::sleep(std::time::Duration::from_millis(300));
+    // Counted out when the keeper's thread for each connection sees it close: soon, not at once.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !keeper.list()[0].holders.is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
     assert!(keeper.list()[0].holders.is_empty(), "the loads let go of it when dropped");
 }
 
