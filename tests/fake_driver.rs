@@ -329,13 +329,16 @@ fn kept_device_memory_is_filled_once_and_attached_read_only() {
     let second = kept_load().expect("attached");
     assert!(second.files.iter().all(|c| c.path == ReadPath::Kept), "{:?}", second.files);
     assert_ne!(first.mapping.address(), second.mapping.address());
-    for load in [&first, &second] {
+    let assert_bytes = |load: &fastsafetensors::load::kept::KeptOnDevice| {
         for (copy, bytes) in load.files.iter().zip(&files) {
             let at = (load.mapping.address() + copy.offset) as *const u8;
             // SAFETY: the fake's device memory is host memory, mapped readable for this load.
             let got = unsafe { std::slice::from_raw_parts(at, bytes.len()) };
             assert!(got == &bytes[..], "a kept file differs");
         }
+    };
+    for load in [&first, &second] {
+        assert_bytes(load);
         assert_eq!(protection(load.mapping.address()), "r--s", "kept device memory is read-only");
     }
     assert_eq!(fake.count("fake_cufile_reads"), 0, "GPUDirect Storage is not used for kept memory");
@@ -370,6 +373,21 @@ fn kept_device_memory_is_filled_once_and_attached_read_only() {
     std::env::set_var("FASTSAFETENSORS_KEEP_DEVICE_MEMORY", "1M");
     assert!(kept_load().is_none(), "2 MiB kept on a GPU whose budget is 1 MiB");
     std::env::remove_var("FASTSAFETENSORS_KEEP_DEVICE_MEMORY");
+    client::command(&Request::Stop).unwrap();
+    // A driver that will not map device memory read-only: the load keeps its bytes as memory
+    // of its own, writable, and the entry is not put (shared, it could be written).
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    fake.call1::<c_int, ()>("fake_refuse_read_only", 1);
+    let own = kept_load().expect("loaded, into memory of its own");
+    assert!(own.files.iter().all(|c| c.path != ReadPath::Kept), "{:?}", own.files);
+    assert_bytes(&own);
+    assert_eq!(protection(own.mapping.address()), "rw-s");
+    match client::command(&Request::List).unwrap() {
+        Some(Reply::Entries { entries, .. }) => assert!(entries.is_empty(), "{entries:?}"),
+        other => panic!("{other:?}"),
+    }
+    fake.call1::<c_int, ()>("fake_refuse_read_only", 0);
+    drop(own);
     client::command(&Request::Stop).unwrap();
     let _ = std::fs::remove_dir_all(&keep_dir);
     fake.assert_no_violations();

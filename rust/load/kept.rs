@@ -209,9 +209,14 @@ impl Planned {
         let staged = DeviceOptions { gds: GdsMode::Never, ..*options };
         // Fresh memory: no work of anyone's came before the copies into it.
         let copies = self.copy_to_cuda(ordinal, &targets, &staged, None)?;
-        mapping.set_access(Access::Read)?;
-        let hold = filling.put(fd.as_fd()).map_err(|why| notice(&why)).ok();
         let files = entry.buffers.iter().zip(copies).map(|(span, c)| DeviceCopy { offset: span.offset, ..c }).collect();
+        // Shared, it must be read-only (see the module); where the driver will not, the memory
+        // stays this load's own and the entry is not put (dropping `filling` abandons it).
+        if let Err(e) = mapping.set_access(Access::Read) {
+            notice(&format!("the entry's device memory could not be made read-only: {e}"));
+            return Ok(Some(KeptOnDevice { mapping, files, _hold: None }));
+        }
+        let hold = filling.put(fd.as_fd()).map_err(|why| notice(&why)).ok();
         Ok(Some(KeptOnDevice { mapping, files, _hold: hold }))
     }
 }

@@ -102,6 +102,7 @@ static atomic_int bound_threads;
 static atomic_int copies;
 static atomic_int cufile_reads;
 static atomic_int compat_mode = 1;
+static atomic_int refuse_read_only;  // a driver that will not map device memory read-only
 
 static __thread struct fake_context* stack[MAX_STACK];
 static __thread int depth;
@@ -186,6 +187,7 @@ void fake_reset(void) {
   atomic_store(&pinned_frees, 0);
   atomic_store(&copies, 0);
   atomic_store(&cufile_reads, 0);
+  atomic_store(&refuse_read_only, 0);
 }
 
 int fake_violations(void) { return atomic_load(&violations); }
@@ -198,6 +200,7 @@ int fake_copies(void) { return atomic_load(&copies); }
 int fake_cufile_reads(void) { return atomic_load(&cufile_reads); }
 int fake_primary_retained(int device) { return primaries[device].retained; }
 void fake_set_compat_mode(int on) { atomic_store(&compat_mode, on); }
+void fake_refuse_read_only(int on) { atomic_store(&refuse_read_only, on); }
 
 // The n-th cuEventRecord from now (0-based) fails.
 void fake_fail_event_record_at(int n) {
@@ -625,6 +628,7 @@ CUresult cuMemMap(uint64_t ptr, size_t len, size_t offset, CUmemGenericAllocatio
 
 CUresult cuMemSetAccess(uint64_t ptr, size_t len, const CUmemAccessDesc* desc, size_t count) {
   if (count != 1) return CUDA_ERROR_INVALID_VALUE;
+  if (desc->flags == ACCESS_READ && atomic_load(&refuse_read_only)) return CUDA_ERROR_INVALID_VALUE;
   int prot = desc->flags == ACCESS_READWRITE ? PROT_READ | PROT_WRITE : desc->flags == ACCESS_READ ? PROT_READ : PROT_NONE;
   pthread_mutex_lock(&lock);
   struct region* r = find_region((uintptr_t)ptr, len);
