@@ -388,6 +388,14 @@ fn kept_device_memory_is_filled_once_and_attached_read_only() {
     }
     fake.call1::<c_int, ()>("fake_refuse_read_only", 0);
     drop(own);
+    // Nor can such a driver attach to an entry: not kept (the caller loads as without keep),
+    // and the imported memory is let go.
+    let kept = kept_load().expect("kept");
+    fake.call1::<c_int, ()>("fake_refuse_read_only", 1);
+    assert!(kept_load().is_none(), "attached to device memory that could not be made read-only");
+    fake.call1::<c_int, ()>("fake_refuse_read_only", 0);
+    drop(kept);
+    assert_eq!(fake.count("fake_vmm_live"), 0, "a load's handles outlive it");
     client::command(&Request::Stop).unwrap();
     let _ = std::fs::remove_dir_all(&keep_dir);
     fake.assert_no_violations();
