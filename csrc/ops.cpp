@@ -206,8 +206,8 @@ LoadResult load_to_cuda(const rs::PlannedFiles& planned, const std::string& read
   return {std::move(names), std::move(list), std::move(read_paths)};
 }
 
-// Every file's tensors in kept memory on a CUDA device (read-only: docs/keep.md), each a view
-// holding it, cast or copied out where Rust says.
+// Every file's tensors in kept memory on a CUDA device (read-only once shared: docs/keep.md),
+// each a view holding it, cast or copied out where Rust says.
 LoadResult kept_cuda_tensors(const rs::PlannedFiles& planned, ::rust::Box<rs::KeptDevice> kept) {
   const int32_t device = cuda_device(planned.target());
   const auto copies = kept->file_copies();
