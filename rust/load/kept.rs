@@ -18,7 +18,8 @@
 //! driver's virtual memory API ([`crate::device::vmm`]), one allocation holding every file,
 //! filled through the staged path and then mapped read-only, in the process that filled it as
 //! in those that attach: device memory has no copy-on-write, so a kernel writing into a kept
-//! tensor fails rather than change the weights of every process.
+//! tensor fails rather than change the weights of every process (where the driver will not
+//! map it read-only, nothing is kept).
 
 use std::os::fd::AsFd;
 use std::sync::{Arc, OnceLock};
