@@ -14,7 +14,7 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
-use common::{safetensors, TempDir};
+use common::{safetensors, wait_until, TempDir};
 use fastsafetensors::device::driver::{Context, Event, RawEvent};
 use fastsafetensors::device::gds::GdsMode;
 use fastsafetensors::device::StagingOptions;
@@ -344,22 +344,17 @@ fn kept_device_memory_is_filled_once_and_attached_read_only() {
     assert_eq!(fake.count("fake_cufile_reads"), 0, "GPUDirect Storage is not used for kept memory");
     drop((first, second));
     assert_eq!(fake.count("fake_vmm_live"), 0, "a load's handles outlive it");
+    let entries = || match client::command(&Request::List).unwrap() {
+        Some(Reply::Entries { entries, .. }) => entries,
+        other => panic!("{other:?}"),
+    };
     // The keeper counts a holder out when its connection's thread sees the close: soon after
     // the drop, not at once.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    loop {
-        let entries = match client::command(&Request::List).unwrap() {
-            Some(Reply::Entries { entries, .. }) => entries,
-            other => panic!("{other:?}"),
-        };
-        assert_eq!(entries.len(), 1, "{entries:?}");
-        assert_eq!(entries[0].device, format!("cuda:fa{}01", "0".repeat(28)));
-        if entries[0].holders.is_empty() || std::time::Instant::now() >= deadline {
-            assert_eq!((entries[0].attaches, entries[0].holders.len()), (1, 0), "{entries:?}");
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    wait_until(10, || entries().iter().all(|e| e.holders.is_empty()));
+    let listed = entries();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0].device, format!("cuda:fa{}01", "0".repeat(28)));
+    assert_eq!((listed[0].attaches, listed[0].holders.len()), (1, 0), "{listed:?}");
     // Stopped, the keeper lets go of it; the next load fills again.
     client::command(&Request::Stop).unwrap();
     std::thread::sleep(std::time::Duration::from_millis(500));
@@ -382,10 +377,7 @@ fn kept_device_memory_is_filled_once_and_attached_read_only() {
     assert!(own.files.iter().all(|c| c.path != ReadPath::Kept), "{:?}", own.files);
     assert_bytes(&own);
     assert_eq!(protection(own.mapping.address()), "rw-s");
-    match client::command(&Request::List).unwrap() {
-        Some(Reply::Entries { entries, .. }) => assert!(entries.is_empty(), "{entries:?}"),
-        other => panic!("{other:?}"),
-    }
+    assert!(entries().is_empty(), "{:?}", entries());
     fake.call1::<c_int, ()>("fake_refuse_read_only", 0);
     drop(own);
     // Nor can such a driver attach to an entry: not kept (the caller loads as without keep),

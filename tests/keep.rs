@@ -8,7 +8,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 
-use common::{safetensors, TempDir};
+use common::{safetensors, wait_until, TempDir};
 
 use fastsafetensors::keep::{client, Reply, Request};
 use fastsafetensors::load::{plan_files, LoadOptions, Loaded};
@@ -98,10 +98,7 @@ fn a_second_load_attaches_to_the_bytes_the_first_kept() {
 
     drop((first, second, third));
     // Counted out when the keeper's thread for each connection sees it close: soon, not at once.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while !keeper.list()[0].holders.is_empty() && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    wait_until(10, || keeper.list()[0].holders.is_empty());
     assert!(keeper.list()[0].holders.is_empty(), "the loads let go of it when dropped");
 }
 

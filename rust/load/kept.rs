@@ -212,12 +212,12 @@ impl Planned {
         let copies = self.copy_to_cuda(ordinal, &targets, &staged, None)?;
         let files = entry.buffers.iter().zip(copies).map(|(span, c)| DeviceCopy { offset: span.offset, ..c }).collect();
         // Shared, it must be read-only (see the module); where the driver will not, the memory
-        // stays this load's own and the entry is not put (dropping `filling` abandons it).
-        if let Err(e) = mapping.set_access(Access::Read) {
-            notice(&format!("the entry's device memory could not be made read-only: {e}"));
-            return Ok(Some(KeptOnDevice { mapping, files, _hold: None }));
-        }
-        let hold = filling.put(fd.as_fd()).map_err(|why| notice(&why)).ok();
+        // stays this load's own, as when the keeper does not take it.
+        let put = match mapping.set_access(Access::Read) {
+            Ok(()) => filling.put(fd.as_fd()),
+            Err(e) => Err(format!("the entry's device memory could not be made read-only: {e}")),
+        };
+        let hold = put.map_err(|why| notice(&why)).ok();
         Ok(Some(KeptOnDevice { mapping, files, _hold: hold }))
     }
 }

@@ -28,6 +28,20 @@ impl Drop for TempDir {
     }
 }
 
+/// Asks `done` every 20 ms until it says yes or `seconds` have passed; whether it said yes.
+/// For what another thread or process does soon but not at once (a keeper counting a closed
+/// connection out).
+pub fn wait_until(seconds: u64, mut done: impl FnMut() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(seconds);
+    while !done() {
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    true
+}
+
 /// A file with the given (name, dtype, shape) tensors, each filled with a distinct byte pattern.
 pub fn safetensors(tensors: &[(&str, &str, &[u64])], header_pad_to: usize) -> Vec<u8> {
     let mut entries = Vec::new();
